@@ -1,0 +1,163 @@
+"""TransformerConfig: every architecture choice in one frozen dataclass.
+
+Defaults reproduce "Attention Is All You Need" (Vaswani et al., 2017); modern choices are
+options. The config is validated on construction, so a bad value fails where it is written,
+with the field's name, instead of deep inside a jitted function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+# Token ids fixed across the project (tokenizers, data pipeline, decoding).
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+UNK_ID = 3
+
+_CHOICES = {
+    "norm_position": ("post", "pre"),
+    "positional": ("sinusoidal", "learned"),
+    "activation": ("relu", "gelu"),
+    "attention_impl": ("einsum", "xla", "cudnn"),
+}
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Hyper-parameters of the encoder-decoder Transformer and its encoder-only heads.
+
+  Attributes:
+    vocab_size: source vocabulary size (and target's when `target_vocab_size` is None).
+    target_vocab_size: target vocabulary size; None means the vocabulary is shared.
+    d_model: width of the residual stream.
+    num_heads: attention heads; d_model must be divisible by it (d_k = d_model / heads).
+    d_ff: hidden width of the position-wise feed-forward network.
+    num_encoder_layers / num_decoder_layers: depth of each stack (0 decoder layers is
+      allowed for encoder-only models).
+    dropout_rate: residual, embedding and feed-forward dropout (paper: 0.1 base, 0.3 big).
+    attention_dropout_rate: dropout on attention weights (the paper uses none).
+    activation_dropout_rate: dropout inside the feed-forward network (paper: none).
+    max_len: longest sequence the positional encoding supports.
+    share_embeddings: one embedding table for source and target (needs equal vocabularies).
+    tie_output: the pre-softmax projection reuses the target embedding (paper §3.4).
+    norm_position: "post" (paper: LayerNorm(x + Sublayer(x))) or "pre" (with a final norm).
+    positional: "sinusoidal" (paper §3.5) or "learned".
+    activation: feed-forward nonlinearity, "relu" (paper) or "gelu".
+    attention_impl: "xla" or "cudnn" (both through jax.nn.dot_product_attention) or
+      "einsum" (explicit; the only path that can return attention weights).
+    dtype: compute dtype name ("float32" or "bfloat16"); parameters stay `param_dtype`.
+    param_dtype: parameter storage dtype name.
+    layer_norm_epsilon: LayerNorm epsilon.
+  """
+
+  vocab_size: int
+  target_vocab_size: int | None = None
+  d_model: int = 512
+  num_heads: int = 8
+  d_ff: int = 2048
+  num_encoder_layers: int = 6
+  num_decoder_layers: int = 6
+  dropout_rate: float = 0.1
+  attention_dropout_rate: float = 0.0
+  activation_dropout_rate: float = 0.0
+  max_len: int = 512
+  share_embeddings: bool = True
+  tie_output: bool = True
+  norm_position: str = "post"
+  positional: str = "sinusoidal"
+  activation: str = "relu"
+  attention_impl: str = "xla"
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  layer_norm_epsilon: float = 1e-6
+
+  # ----------------------------------------------------------------------------- presets
+  @classmethod
+  def base(cls, vocab_size: int, **overrides: Any) -> "TransformerConfig":
+    """Transformer (base) of the paper's Table 3: N=6, d_model 512, d_ff 2048, h=8."""
+    return cls(vocab_size=vocab_size, **overrides)
+
+  @classmethod
+  def big(cls, vocab_size: int, **overrides: Any) -> "TransformerConfig":
+    """Transformer (big): d_model 1024, d_ff 4096, h=16, dropout 0.3."""
+    params = dict(d_model=1024, d_ff=4096, num_heads=16, dropout_rate=0.3)
+    return cls(vocab_size=vocab_size, **{**params, **overrides})
+
+  @classmethod
+  def small(cls, vocab_size: int, **overrides: Any) -> "TransformerConfig":
+    """A tiny model for tests and the CPU default job."""
+    params = dict(d_model=64, d_ff=128, num_heads=4, num_encoder_layers=2,
+                  num_decoder_layers=2, max_len=128)
+    return cls(vocab_size=vocab_size, **{**params, **overrides})
+
+  @classmethod
+  def from_dict(cls, values: dict[str, Any]) -> "TransformerConfig":
+    """Builds a config from a mapping, naming any key that is not a field."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+      raise ValueError(f"TransformerConfig: unknown option(s) {unknown}; "
+                       f"valid options are {sorted(fields)}")
+    return cls(**values)
+
+  def replace(self, **changes: Any) -> "TransformerConfig":
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  # -------------------------------------------------------------------------- derived
+  @property
+  def tgt_vocab_size(self) -> int:
+    return self.vocab_size if self.target_vocab_size is None else self.target_vocab_size
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  @property
+  def compute_dtype(self) -> Any:
+    return _DTYPES[self.dtype]
+
+  @property
+  def params_dtype(self) -> Any:
+    return _DTYPES[self.param_dtype]
+
+  # ------------------------------------------------------------------------ validation
+  def __post_init__(self) -> None:
+    def fail(field: str, message: str) -> None:
+      raise ValueError(f"TransformerConfig.{field}={getattr(self, field)!r}: {message}")
+
+    for field in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        fail(field, "must be a positive integer")
+    for field in ("num_encoder_layers", "num_decoder_layers"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        fail(field, "must be a non-negative integer")
+    if self.target_vocab_size is not None and (
+        not isinstance(self.target_vocab_size, int) or self.target_vocab_size <= 0):
+      fail("target_vocab_size", "must be a positive integer or None (shared vocabulary)")
+    if self.d_model % self.num_heads:
+      fail("d_model", f"must be divisible by num_heads={self.num_heads}")
+    for field in ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate"):
+      value = getattr(self, field)
+      if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        fail(field, "must be a number in [0, 1)")
+    if not isinstance(self.layer_norm_epsilon, (int, float)) or self.layer_norm_epsilon <= 0:
+      fail("layer_norm_epsilon", "must be a positive number")
+    for field, choices in _CHOICES.items():
+      if getattr(self, field) not in choices:
+        fail(field, f"must be one of {choices}")
+    for field in ("dtype", "param_dtype"):
+      if getattr(self, field) not in _DTYPES:
+        fail(field, f"must be one of {tuple(_DTYPES)}")
+    if self.share_embeddings and self.tgt_vocab_size != self.vocab_size:
+      fail("share_embeddings", f"needs equal vocabularies, got vocab_size={self.vocab_size} "
+           f"and target_vocab_size={self.target_vocab_size}; set share_embeddings=False")

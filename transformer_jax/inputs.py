@@ -1,0 +1,48 @@
+"""Host-side input checks: the checked entry point in front of the jitted model.
+
+JAX clamps out-of-range gather indices silently, so a token id >= vocab_size would quietly
+read the last embedding row. These checks run on NumPy arrays before data reaches the device,
+which keeps the jitted step free of host synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from transformer_jax.config import TransformerConfig
+
+
+class InputError(ValueError):
+  """Input data that the model cannot take; the message names the array and the problem."""
+
+
+def check_token_ids(tokens: Any, vocab_size: int, max_len: int, name: str) -> np.ndarray:
+  """Returns `tokens` as an int32 array of shape (batch, length), or raises InputError."""
+  array = np.asarray(tokens)
+  if array.ndim != 2:
+    raise InputError(f"{name}: expected a 2-D array (batch, length), got shape {array.shape}")
+  if array.size and not np.issubdtype(array.dtype, np.integer):
+    raise InputError(f"{name}: token ids must be integers, got dtype {array.dtype}")
+  if array.shape[1] > max_len:
+    raise InputError(f"{name}: length {array.shape[1]} exceeds the model's max_len={max_len}; "
+                     "truncate or filter the input, or raise max_len in the config")
+  bad = (array < 0) | (array >= vocab_size)
+  if bad.any():
+    row, col = (int(i) for i in np.argwhere(bad)[0])
+    raise InputError(f"{name}: token id {int(array[row, col])} at [{row}, {col}] is outside "
+                     f"the vocabulary [0, {vocab_size}); {int(bad.sum())} id(s) out of range")
+  return array.astype(np.int32)
+
+
+def check_inputs(config: TransformerConfig, src: Any,
+                 tgt: Any | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+  """Checks source (and target) token ids against the config's vocabularies and max_len."""
+  src = check_token_ids(src, config.vocab_size, config.max_len, "source tokens")
+  if tgt is not None:
+    tgt = check_token_ids(tgt, config.tgt_vocab_size, config.max_len, "target tokens")
+    if tgt.shape[0] != src.shape[0]:
+      raise InputError(f"source and target batch sizes differ: {src.shape[0]} vs "
+                       f"{tgt.shape[0]}")
+  return src, tgt

@@ -1,0 +1,1 @@
+"""Flax Linen building blocks of the Transformer."""

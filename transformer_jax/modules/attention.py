@@ -1,0 +1,161 @@
+"""Masks, scaled dot-product attention (two paths) and multi-head attention with a KV cache.
+
+Shapes: B batch, T query length, S key length, N heads, H head dimension (d_k).
+Masks are boolean, True where a query may attend to a key, shaped (B, 1, T, S) so they
+broadcast over heads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from transformer_jax.config import TransformerConfig
+
+Array = jax.Array
+partitioned = nn.with_logical_partitioning
+
+
+# ------------------------------------------------------------------------------------ masks
+def padding_mask(query_valid: Array, key_valid: Array) -> Array:
+  """(B, T) and (B, S) booleans -> (B, 1, T, S): keys that are padding are hidden.
+
+  Only keys are masked: a padding query still attends somewhere (its output is ignored),
+  which keeps every softmax row finite.
+  """
+  del query_valid  # Kept in the signature so call sites read symmetrically.
+  return key_valid[:, None, None, :]
+
+
+def causal_mask(length: int) -> Array:
+  """(1, 1, T, T): position t sees positions <= t."""
+  return jnp.tril(jnp.ones((length, length), jnp.bool_))[None, None]
+
+
+def segment_mask(query_segments: Array, key_segments: Array) -> Array:
+  """(B, 1, T, S): packed sequences attend only within their own segment."""
+  return query_segments[:, None, :, None] == key_segments[:, None, None, :]
+
+
+def combine_masks(*masks: Array | None) -> Array | None:
+  """Logical AND of the masks that are not None (None when all are)."""
+  masks = [m for m in masks if m is not None]
+  if not masks:
+    return None
+  out = masks[0]
+  for m in masks[1:]:
+    out = jnp.logical_and(out, m)
+  return out
+
+
+# ------------------------------------------------------------------- dot-product attention
+def attention_weights(query: Array, key: Array, mask: Array | None) -> Array:
+  """softmax(Q K^T / sqrt(d_k)) with masked logits: (B,T,N,H),(B,S,N,H) -> (B,N,T,S)."""
+  depth = query.shape[-1]
+  logits = jnp.einsum("btnh,bsnh->bnts", query, key) / jnp.sqrt(depth).astype(query.dtype)
+  if mask is not None:
+    logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+  # Softmax in float32 even under bf16 compute: its sums are where precision is lost.
+  return jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(query.dtype)
+
+
+def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | None,
+                          implementation: str = "xla") -> Array:
+  """Attention output (B, T, N, H).
+
+  "einsum" is the explicit path of `attention_weights`; "xla" and "cudnn" go through
+  `jax.nn.dot_product_attention` (cuDNN flash attention on GPU where shapes allow).
+  """
+  if implementation == "einsum":
+    weights = attention_weights(query, key, mask)
+    return jnp.einsum("bnts,bsnh->btnh", weights, value)
+  if mask is not None:
+    mask = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
+  return jax.nn.dot_product_attention(query, key, value, mask=mask,
+                                      implementation=implementation)
+
+
+# ----------------------------------------------------------------------- multi-head module
+class MultiHeadAttention(nn.Module):
+  """Multi-head attention with separate Q/K/V/output projections (paper §3.2.2).
+
+  `kind` is "self" or "cross". With `decode=True` the module keeps a 'cache' collection:
+  self-attention appends one step's keys/values per call; cross-attention projects the
+  encoder output once, on the call that creates the cache, and reuses it afterwards.
+  With the einsum path, attention weights are sown into 'intermediates' (pass
+  `mutable=['intermediates']` to `apply` to read them).
+  """
+
+  config: TransformerConfig
+  kind: str = "self"
+
+  def _projection(self, name: str) -> nn.DenseGeneral:
+    cfg = self.config
+    return nn.DenseGeneral(
+        features=(cfg.num_heads, cfg.head_dim), dtype=cfg.compute_dtype,
+        param_dtype=cfg.params_dtype, name=name,
+        kernel_init=partitioned(nn.initializers.xavier_uniform(), ("embed", "heads", "kv")),
+        bias_init=partitioned(nn.initializers.zeros_init(), ("heads", "kv")))
+
+  @nn.compact
+  def __call__(self, inputs_q: Array, inputs_kv: Array | None, mask: Array | None = None, *,
+               train: bool = False, decode: bool = False) -> Array:
+    cfg = self.config
+    query = self._projection("query")(inputs_q)                      # (B, T, N, H)
+    if self.kind == "cross":
+      key, value = self._cross_keys_values(inputs_kv, decode)
+    else:
+      key = self._projection("key")(inputs_q)
+      value = self._projection("value")(inputs_q)
+      if decode:
+        key, value, mask = self._append_to_cache(key, value, mask)
+
+    use_weights = cfg.attention_impl == "einsum" or (train and cfg.attention_dropout_rate > 0)
+    if use_weights:
+      weights = attention_weights(query, key, mask)
+      self.sow("intermediates", "attention_weights", weights)
+      weights = nn.Dropout(cfg.attention_dropout_rate, deterministic=not train)(weights)
+      out = jnp.einsum("bnts,bsnh->btnh", weights, value)
+    else:
+      out = dot_product_attention(query, key, value, mask, cfg.attention_impl)
+
+    return nn.DenseGeneral(
+        features=cfg.d_model, axis=(-2, -1), dtype=cfg.compute_dtype,
+        param_dtype=cfg.params_dtype, name="out",
+        kernel_init=partitioned(nn.initializers.xavier_uniform(), ("heads", "kv", "embed")),
+        bias_init=partitioned(nn.initializers.zeros_init(), ("embed",)))(out)
+
+  def _cross_keys_values(self, inputs_kv: Array | None, decode: bool) -> tuple[Array, Array]:
+    if decode and self.has_variable("cache", "cross_key"):
+      return self.get_variable("cache", "cross_key"), self.get_variable("cache", "cross_value")
+    if inputs_kv is None:
+      raise ValueError("cross-attention needs the encoder output on its first decode call "
+                       "(the call that initializes the cache)")
+    key = self._projection("key")(inputs_kv)
+    value = self._projection("value")(inputs_kv)
+    if decode:  # First call: cache the projected source once for all decoding steps.
+      self.put_variable("cache", "cross_key", key)
+      self.put_variable("cache", "cross_value", value)
+    return key, value
+
+  def _append_to_cache(self, key: Array, value: Array,
+                       mask: Array | None) -> tuple[Array, Array, Array | None]:
+    """Self-attention decoding: on the initializing call (full-length dummy input) the cache
+    is created with the input's length; later calls take one token each."""
+    initialized = self.has_variable("cache", "cached_key")
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+    index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    if not initialized:
+      return key, value, mask
+    if key.shape[1] != 1:
+      raise ValueError(f"cached decoding takes one token per call, got {key.shape[1]}")
+    i = index.value
+    cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, (0, i, 0, 0))
+    cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, (0, i, 0, 0))
+    index.value = i + 1
+    max_length = cached_key.value.shape[1]
+    step_mask = (jnp.arange(max_length) <= i)[None, None, None, :]      # (1, 1, 1, L)
+    return cached_key.value, cached_value.value, step_mask
+

@@ -1,0 +1,66 @@
+"""Token embeddings (scaled by sqrt(d_model), paper §3.4) and positional encodings (§3.5)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import flax.linen as nn
+
+from transformer_jax.config import TransformerConfig
+
+Array = jax.Array
+partitioned = nn.with_logical_partitioning
+
+
+def sinusoidal_table(max_len: int, d_model: int) -> np.ndarray:
+  """PE[pos, 2i] = sin(pos / 10000^(2i/d_model)), PE[pos, 2i+1] = cos(same angle)."""
+  positions = np.arange(max_len, dtype=np.float64)[:, None]
+  two_i = np.arange(0, d_model, 2, dtype=np.float64)[None, :]
+  angles = positions / np.power(10000.0, two_i / d_model)
+  table = np.zeros((max_len, d_model), np.float64)
+  table[:, 0::2] = np.sin(angles)
+  table[:, 1::2] = np.cos(angles[:, : d_model // 2])
+  return table.astype(np.float32)
+
+
+def token_embedding(config: TransformerConfig, vocab_size: int, name: str) -> nn.Embed:
+  """Embedding table whose rows have norm ~1 after the sqrt(d_model) input scaling, so
+  the tied output projection (x @ E^T) starts with unit-scale logits."""
+  return nn.Embed(
+      num_embeddings=vocab_size, features=config.d_model, dtype=config.compute_dtype,
+      param_dtype=config.params_dtype, name=name,
+      embedding_init=partitioned(nn.initializers.normal(stddev=config.d_model ** -0.5),
+                                 ("vocab", "embed")))
+
+
+class PositionalEncoding(nn.Module):
+  """Adds positional information at explicit positions (B, T), so packed sequences can
+  restart at 0."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x: Array, positions: Array) -> Array:
+    cfg = self.config
+    if cfg.positional == "sinusoidal":
+      table = jnp.asarray(sinusoidal_table(cfg.max_len, cfg.d_model))
+    else:
+      table = self.param("position_embedding",
+                         partitioned(nn.initializers.normal(stddev=0.02), ("length", "embed")),
+                         (cfg.max_len, cfg.d_model), cfg.params_dtype)
+    return x + jnp.take(table, positions, axis=0).astype(x.dtype)
+
+
+class InputEmbedding(nn.Module):
+  """tokens -> dropout(embed(tokens) * sqrt(d_model) + PE(positions))."""
+
+  config: TransformerConfig
+  embedding: nn.Embed
+
+  @nn.compact
+  def __call__(self, tokens: Array, positions: Array, *, train: bool = False) -> Array:
+    cfg = self.config
+    x = self.embedding(tokens) * jnp.sqrt(cfg.d_model).astype(cfg.compute_dtype)
+    x = PositionalEncoding(cfg, name="positional")(x, positions)
+    return nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)

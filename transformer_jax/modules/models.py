@@ -1,0 +1,201 @@
+"""Encoder, Decoder, the encoder-decoder Transformer, and encoder-only heads.
+
+Token id 0 is padding everywhere. Optional `positions` (B, T) and `segment_ids` (B, T) describe
+packed batches: several sequences share a row, positions restart at 0 in each, and attention
+never crosses a segment boundary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from transformer_jax.config import PAD_ID, TransformerConfig
+from transformer_jax.modules.attention import (causal_mask, combine_masks, padding_mask,
+                                               segment_mask)
+from transformer_jax.modules.embedding import InputEmbedding, token_embedding
+from transformer_jax.modules.layers import DecoderLayer, EncoderLayer, layer_norm
+
+Array = jax.Array
+partitioned = nn.with_logical_partitioning
+
+
+def default_positions(tokens: Array) -> Array:
+  return jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
+
+
+def _segments(query_segments: Array | None, key_segments: Array | None) -> Array | None:
+  if query_segments is None or key_segments is None:
+    return None
+  return segment_mask(query_segments, key_segments)
+
+
+class Encoder(nn.Module):
+  """Embedding + N encoder layers (+ final LayerNorm when pre-LN). Output (B, S, d_model)."""
+
+  config: TransformerConfig
+  embedding: nn.Embed | None = None  # Shared with the decoder when given.
+
+  @nn.compact
+  def __call__(self, tokens: Array, positions: Array | None = None,
+               segment_ids: Array | None = None, *, train: bool = False) -> Array:
+    cfg = self.config
+    embedding = self.embedding or token_embedding(cfg, cfg.vocab_size, "embedding")
+    valid = tokens != PAD_ID
+    mask = combine_masks(padding_mask(valid, valid), _segments(segment_ids, segment_ids))
+    if positions is None:
+      positions = default_positions(tokens)
+    x = InputEmbedding(cfg, embedding, name="input_embedding")(tokens, positions, train=train)
+    for i in range(cfg.num_encoder_layers):
+      x = EncoderLayer(cfg, name=f"layer_{i}")(x, mask, train=train)
+    if cfg.norm_position == "pre":
+      x = layer_norm(cfg, "final_norm")(x)
+    return x
+
+
+class Decoder(nn.Module):
+  """Embedding + N decoder layers + output projection. Returns float32 logits (B, T, V).
+
+  `tgt_tokens` are the decoder inputs (the target shifted right, starting with BOS).
+  With `decode=True` the call steps a KV cache: the first call creates the cache from a
+  full-length dummy target and the encoder output; each later call takes one token (B, 1)
+  with its `positions` and may pass `encoded=None` (cross keys/values are cached).
+  """
+
+  config: TransformerConfig
+  embedding: nn.Embed | None = None
+
+  @nn.compact
+  def __call__(self, encoded: Array | None, src_tokens: Array, tgt_tokens: Array, *,
+               tgt_positions: Array | None = None, src_segment_ids: Array | None = None,
+               tgt_segment_ids: Array | None = None, train: bool = False,
+               decode: bool = False) -> Array:
+    cfg = self.config
+    embedding = self.embedding or token_embedding(cfg, cfg.tgt_vocab_size, "embedding")
+    tgt_valid = tgt_tokens != PAD_ID
+    if decode:  # The cache builds the causal mask from its own index.
+      self_mask = None
+    else:
+      self_mask = combine_masks(causal_mask(tgt_tokens.shape[1]),
+                                padding_mask(tgt_valid, tgt_valid),
+                                _segments(tgt_segment_ids, tgt_segment_ids))
+    cross_mask = combine_masks(padding_mask(tgt_valid, src_tokens != PAD_ID),
+                               _segments(tgt_segment_ids, src_segment_ids))
+    if tgt_positions is None:
+      tgt_positions = default_positions(tgt_tokens)
+
+    y = InputEmbedding(cfg, embedding, name="input_embedding")(tgt_tokens, tgt_positions,
+                                                                train=train)
+    for i in range(cfg.num_decoder_layers):
+      y = DecoderLayer(cfg, name=f"layer_{i}")(y, encoded, self_mask, cross_mask,
+                                               train=train, decode=decode)
+    if cfg.norm_position == "pre":
+      y = layer_norm(cfg, "final_norm")(y)
+    if cfg.tie_output:
+      logits = embedding.attend(y)
+    else:
+      logits = nn.Dense(
+          cfg.tgt_vocab_size, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
+          name="output_projection",
+          kernel_init=partitioned(nn.initializers.xavier_uniform(), ("embed", "vocab")),
+          bias_init=partitioned(nn.initializers.zeros_init(), ("vocab",)))(y)
+    return logits.astype(jnp.float32)
+
+
+class Transformer(nn.Module):
+  """The encoder-decoder Transformer. `__call__(src, tgt)` returns logits (B, T, V);
+  `encode` and `decode` can be used on their own (`model.apply(..., method=...)`)."""
+
+  config: TransformerConfig
+
+  def setup(self) -> None:
+    cfg = self.config
+    if cfg.share_embeddings:
+      source = target = token_embedding(cfg, cfg.vocab_size, "shared_embedding")
+    else:
+      source = token_embedding(cfg, cfg.vocab_size, "source_embedding")
+      target = token_embedding(cfg, cfg.tgt_vocab_size, "target_embedding")
+    self.encoder = Encoder(cfg, source)
+    self.decoder = Decoder(cfg, target)
+
+  def encode(self, src: Array, *, src_positions: Array | None = None,
+             src_segment_ids: Array | None = None, train: bool = False) -> Array:
+    return self.encoder(src, src_positions, src_segment_ids, train=train)
+
+  def decode(self, encoded: Array | None, src: Array, tgt: Array, *,
+             tgt_positions: Array | None = None, src_segment_ids: Array | None = None,
+             tgt_segment_ids: Array | None = None, train: bool = False,
+             decode: bool = False) -> Array:
+    return self.decoder(encoded, src, tgt, tgt_positions=tgt_positions,
+                        src_segment_ids=src_segment_ids, tgt_segment_ids=tgt_segment_ids,
+                        train=train, decode=decode)
+
+  def __call__(self, src: Array, tgt: Array, *, src_positions: Array | None = None,
+               tgt_positions: Array | None = None, src_segment_ids: Array | None = None,
+               tgt_segment_ids: Array | None = None, train: bool = False) -> Array:
+    encoded = self.encode(src, src_positions=src_positions, src_segment_ids=src_segment_ids,
+                          train=train)
+    return self.decode(encoded, src, tgt, tgt_positions=tgt_positions,
+                       src_segment_ids=src_segment_ids, tgt_segment_ids=tgt_segment_ids,
+                       train=train)
+
+
+POOLINGS = ("mean", "max", "first")
+
+
+class EncoderClassifier(nn.Module):
+  """Sequence classification: encoder, pooling over real tokens, linear layer -> (B, C)."""
+
+  config: TransformerConfig
+  num_classes: int = 2
+  pooling: str = "mean"
+
+  def __post_init__(self) -> None:
+    if not isinstance(self.num_classes, int) or self.num_classes < 2:
+      raise ValueError(f"EncoderClassifier.num_classes={self.num_classes!r}: must be an "
+                       "integer >= 2")
+    if self.pooling not in POOLINGS:
+      raise ValueError(f"EncoderClassifier.pooling={self.pooling!r}: must be one of {POOLINGS}")
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, tokens: Array, *, train: bool = False) -> Array:
+    cfg = self.config
+    x = Encoder(cfg, name="encoder")(tokens, train=train)          # (B, T, D)
+    valid = (tokens != PAD_ID)[..., None]
+    if self.pooling == "mean":
+      pooled = (x * valid).sum(1) / jnp.maximum(valid.sum(1), 1).astype(x.dtype)
+    elif self.pooling == "max":
+      pooled = jnp.where(valid, x, jnp.finfo(x.dtype).min).max(1)
+    else:
+      pooled = x[:, 0]
+    pooled = nn.Dropout(cfg.dropout_rate, deterministic=not train)(pooled)
+    return _classifier_layer(cfg, self.num_classes)(pooled).astype(jnp.float32)
+
+
+class TokenClassifier(nn.Module):
+  """Token tagging (e.g. NER): encoder, linear layer per token -> (B, T, num_labels)."""
+
+  config: TransformerConfig
+  num_labels: int = 9
+
+  def __post_init__(self) -> None:
+    if not isinstance(self.num_labels, int) or self.num_labels < 2:
+      raise ValueError(f"TokenClassifier.num_labels={self.num_labels!r}: must be an "
+                       "integer >= 2")
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, tokens: Array, *, train: bool = False) -> Array:
+    cfg = self.config
+    x = Encoder(cfg, name="encoder")(tokens, train=train)
+    x = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
+    return _classifier_layer(cfg, self.num_labels)(x).astype(jnp.float32)
+
+
+def _classifier_layer(cfg: TransformerConfig, num_outputs: int) -> nn.Dense:
+  return nn.Dense(num_outputs, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
+                  name="classifier",
+                  kernel_init=partitioned(nn.initializers.xavier_uniform(), ("embed", "classes")),
+                  bias_init=partitioned(nn.initializers.zeros_init(), ("classes",)))
