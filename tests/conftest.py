@@ -1,0 +1,79 @@
+"""Shared helpers for the transformer_jax tests: tiny float32 models and token batches."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Make the package importable with a bare `pytest` too (`python -m pytest` adds the cwd).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax import PAD_ID, Transformer, TransformerConfig
+
+# Exact float32 matmuls even where the default would be TF32/bf16 passes (GPU/TPU runs).
+jax.config.update("jax_default_matmul_precision", "highest")
+
+VOCAB = 40
+ATOL = 1e-5
+RTOL = 1e-5
+
+
+def tiny_config(**overrides) -> TransformerConfig:
+  """d_model 32, 2 heads, d_ff 64, one encoder and one decoder layer, no dropout, float32."""
+  params = dict(vocab_size=VOCAB, d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
+                num_decoder_layers=1, max_len=32, dropout_rate=0.0)
+  params.update(overrides)
+  vocab_size = params.pop("vocab_size")
+  return TransformerConfig.small(vocab_size=vocab_size, **params)
+
+
+def random_tokens(seed: int, batch: int, length: int, vocab: int = VOCAB) -> np.ndarray:
+  """Real (non-padding) token ids in [PAD_ID + 1, vocab), int32, shape (batch, length)."""
+  rng = np.random.default_rng(seed)
+  return rng.integers(PAD_ID + 1, vocab, size=(batch, length)).astype(np.int32)
+
+
+def pad_to(tokens: np.ndarray, length: int) -> np.ndarray:
+  """Appends padding (PAD_ID) columns up to `length`."""
+  out = np.full((tokens.shape[0], length), PAD_ID, np.int32)
+  out[:, : tokens.shape[1]] = tokens
+  return out
+
+
+def init(model, *args, seed: int = 0, **kwargs):
+  return model.init(jax.random.PRNGKey(seed), *args, **kwargs)
+
+
+# Compilation dominates the run time on CPU, so parameters and jitted functions are cached
+# per (hashable, frozen) config and reused across tests.
+@functools.lru_cache(maxsize=None)
+def transformer_variables(cfg: TransformerConfig, seed: int = 0):
+  """Transformer variables for `cfg` (parameter shapes do not depend on sequence length)."""
+  dummy = jnp.ones((1, 4), jnp.int32)
+  return jax.jit(Transformer(cfg).init)(jax.random.PRNGKey(seed), dummy, dummy)
+
+
+@functools.lru_cache(maxsize=None)
+def transformer_apply(cfg: TransformerConfig):
+  """jax.jit of Transformer(cfg).apply; `train`, `method` and `mutable` are static."""
+  return jax.jit(Transformer(cfg).apply, static_argnames=("train", "method", "mutable"))
+
+
+def assert_close(actual, expected, atol: float = ATOL, rtol: float = RTOL) -> None:
+  np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=atol, rtol=rtol)
+
+
+def on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+requires_gpu = pytest.mark.skipif(
+    not on_gpu(), reason="attention_impl='cudnn' needs an NVIDIA GPU (cuDNN); "
+    f"the JAX backend here is {jax.default_backend()!r}")

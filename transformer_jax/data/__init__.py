@@ -1,0 +1,1 @@
+"""Data sources and tokenizers. Knows nothing of models."""

@@ -1,0 +1,91 @@
+"""Synthetic sequence-to-sequence tasks generated in-process (the offline default job).
+
+Each task maps a random string of digit symbols to a target that needs attention over the
+whole source, not a copy:
+  reverse: 3 1 4 1 5   -> 5 1 4 1 3
+  sort:    3 1 4 1 5   -> 1 1 3 4 5
+  add:     4 7 + 1 9 5 -> 2 4 2   (decimal addition)
+Batch i of a stream is a pure function of (seed, stream, i), so data position is just the
+step number and a resumed run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID
+from transformer_jax.data.vocab import SymbolVocab
+
+TASKS = ("reverse", "sort", "add")
+DIGITS = tuple(str(d) for d in range(10))
+_STREAMS = {"train": 0, "eval": 1}
+
+
+def make_vocab() -> SymbolVocab:
+  return SymbolVocab(DIGITS + ("+",))
+
+
+class SyntheticTask:
+  """Generates (source text, target text) pairs and padded id batches for one task."""
+
+  def __init__(self, task: str, min_length: int, max_length: int, seed: int):
+    if task not in TASKS:
+      raise ValueError(f"data.task={task!r}: must be one of {TASKS}")
+    if not 1 <= min_length <= max_length:
+      raise ValueError(f"data.min_length={min_length}, data.max_length={max_length}: need "
+                       "1 <= min_length <= max_length")
+    self.task, self.min_length, self.max_length, self.seed = task, min_length, max_length, seed
+    self.vocab = make_vocab()
+    # Fixed array widths: source, and target + EOS.
+    if task == "add":
+      self.src_length = 2 * max_length + 1
+      self.tgt_length = max_length + 2
+    else:
+      self.src_length = max_length
+      self.tgt_length = max_length + 1
+
+  def _digits(self, rng: np.random.Generator) -> list[str]:
+    n = int(rng.integers(self.min_length, self.max_length + 1))
+    return [str(d) for d in rng.integers(0, 10, size=n)]
+
+  def example(self, rng: np.random.Generator) -> tuple[str, str]:
+    a = self._digits(rng)
+    if self.task == "reverse":
+      return " ".join(a), " ".join(reversed(a))
+    if self.task == "sort":
+      return " ".join(a), " ".join(sorted(a))
+    b = self._digits(rng)
+    total = int("".join(a)) + int("".join(b))
+    return " ".join(a + ["+"] + b), " ".join(str(total))
+
+  def examples(self, stream: str, index: int, count: int) -> list[tuple[str, str]]:
+    rng = np.random.default_rng([self.seed, _STREAMS[stream], index])
+    return [self.example(rng) for _ in range(count)]
+
+  def encode_batch(self, pairs: list[tuple[str, str]]) -> dict[str, np.ndarray]:
+    """Pads to the task's fixed widths: src, tgt_in (BOS + target), tgt_out (target + EOS)."""
+    n = len(pairs)
+    src = np.full((n, self.src_length), PAD_ID, np.int32)
+    tgt_in = np.full((n, self.tgt_length), PAD_ID, np.int32)
+    tgt_out = np.full((n, self.tgt_length), PAD_ID, np.int32)
+    for row, (source, target) in enumerate(pairs):
+      s, t = self.vocab.encode(source), self.vocab.encode(target)
+      src[row, : len(s)] = s
+      tgt_in[row, : len(t) + 1] = [BOS_ID] + t
+      tgt_out[row, : len(t) + 1] = t + [EOS_ID]
+    return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
+
+  def batch(self, stream: str, index: int, batch_size: int) -> dict[str, np.ndarray]:
+    return self.encode_batch(self.examples(stream, index, batch_size))
+
+  def train_batches(self, batch_size: int, start: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    index = start
+    while True:
+      yield self.batch("train", index, batch_size)
+      index += 1
+
+  def eval_examples(self, count: int) -> list[tuple[str, str]]:
+    """Held-out pairs, from a random stream separate from the training stream."""
+    return self.examples("eval", 0, count)

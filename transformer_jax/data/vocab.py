@@ -1,0 +1,70 @@
+"""A symbol vocabulary for whitespace-separated symbols (synthetic tasks).
+
+Ids 0-3 are PAD, BOS, EOS, UNK (see transformer_jax.config); symbols follow. It shares the
+interface of the SentencePiece tokenizer: encode, decode, vocab_size, save, load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
+assert (PAD_ID, BOS_ID, EOS_ID, UNK_ID) == (0, 1, 2, 3)
+
+
+class UnknownSymbolError(ValueError):
+  """Input text holds a symbol the vocabulary does not know."""
+
+
+class SymbolVocab:
+  """Maps whitespace-separated symbols to ids and back."""
+
+  kind = "symbols"
+
+  def __init__(self, symbols: Sequence[str]):
+    if len(set(symbols)) != len(symbols):
+      raise ValueError("SymbolVocab: symbols must be unique")
+    self.symbols = list(symbols)
+    self._ids = {s: i + len(SPECIALS) for i, s in enumerate(self.symbols)}
+
+  @property
+  def vocab_size(self) -> int:
+    return len(SPECIALS) + len(self.symbols)
+
+  def encode(self, text: str) -> list[int]:
+    ids = []
+    for symbol in text.split():
+      if symbol not in self._ids:
+        raise UnknownSymbolError(f"unknown symbol {symbol!r}; the vocabulary has "
+                                 f"{' '.join(self.symbols)}")
+      ids.append(self._ids[symbol])
+    return ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    offset = len(SPECIALS)
+    return " ".join(self.symbols[i - offset] for i in ids if i >= offset)
+
+  def save(self, path: str) -> None:
+    with open(path, "w") as f:
+      json.dump({"kind": self.kind, "symbols": self.symbols}, f)
+
+  @classmethod
+  def load(cls, path: str) -> "SymbolVocab":
+    with open(path) as f:
+      data = json.load(f)
+    return cls(data["symbols"])
+
+
+def load_tokenizer(path: str) -> SymbolVocab:
+  """Loads the tokenizer saved at `path` (a workdir's vocab.json)."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no tokenizer at {path}")
+  with open(path) as f:
+    kind = json.load(f).get("kind")
+  if kind == SymbolVocab.kind:
+    return SymbolVocab.load(path)
+  raise ValueError(f"{path}: unknown tokenizer kind {kind!r}")

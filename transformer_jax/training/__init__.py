@@ -1,0 +1,2 @@
+"""Training: losses, optimizers, the train state, jitted steps and the loop.
+Knows nothing of where data comes from."""

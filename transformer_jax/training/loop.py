@@ -1,0 +1,202 @@
+"""The train/eval loop behind `python train.py`."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from tqdm.auto import tqdm
+
+from transformer_jax import decoding
+from transformer_jax.checkpoint import Checkpointer
+from transformer_jax.config import TransformerConfig
+from transformer_jax.data.sources import make_source
+from transformer_jax.inputs import check_inputs
+from transformer_jax.metrics import MetricWriter, corpus_bleu, exact_match
+from transformer_jax.modules.models import Transformer
+from transformer_jax.params import count_params
+from transformer_jax.training.optimizers import make_optimizer, make_schedule
+from transformer_jax.training.state import TrainState, create_train_state
+from transformer_jax.training.steps import NONFINITE_POLICIES, make_eval_step, make_train_step
+from transformer_jax.training.tasks import Seq2SeqTask
+
+CONFIG_FILE, VOCAB_FILE, CHECKPOINT_DIR = "config.json", "vocab.json", "checkpoints"
+
+
+class NonFiniteLossError(RuntimeError):
+  """Training produced a NaN or Inf loss or gradient."""
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Top-level training fields; model fields are checked by TransformerConfig."""
+  for field in ("num_train_steps", "log_every_steps", "eval_every_steps",
+                "checkpoint_every_steps", "keep_checkpoints", "batch_size", "grad_accum_steps"):
+    value = config[field]
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"config.{field}={value!r}: must be a positive integer")
+  if config.batch_size % config.grad_accum_steps:
+    raise ValueError(f"config.batch_size={config.batch_size} must be divisible by "
+                     f"config.grad_accum_steps={config.grad_accum_steps}")
+  if config.nonfinite not in NONFINITE_POLICIES:
+    raise ValueError(f"config.nonfinite={config.nonfinite!r}: must be one of "
+                     f"{NONFINITE_POLICIES}")
+  if config.decode.beam_size < 1:
+    raise ValueError(f"config.decode.beam_size={config.decode.beam_size}: must be >= 1")
+
+
+def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> TransformerConfig:
+  return TransformerConfig.from_dict({**config.model.to_dict(), "vocab_size": vocab_size})
+
+
+def _decode_texts(model_cfg: TransformerConfig, params: Any, source: Any, vocab: Any,
+                  sources: list[str], decode_cfg: Any) -> list[str]:
+  """Beam-search `sources` in fixed-shape batches (the last one padded) and detokenize."""
+  batch_size = decode_cfg.batch_size
+  outputs = []
+  for start in range(0, len(sources), batch_size):
+    chunk = sources[start:start + batch_size]
+    ids = np.zeros((batch_size, source.src_length), np.int32)
+    for row, text in enumerate(chunk):
+      encoded = vocab.encode(text)
+      ids[row, :len(encoded)] = encoded
+    ids, _ = check_inputs(model_cfg, ids)
+    out = decoding.generate(model_cfg, params, ids, beam_size=decode_cfg.beam_size,
+                            alpha=decode_cfg.alpha,
+                            max_length=source.tgt_length + decode_cfg.max_extra_length)
+    outputs += [vocab.decode(decoding.strip_special(row)) for row in out[:len(chunk)]]
+  return outputs
+
+
+def evaluate(config: Any, model_cfg: TransformerConfig, task: Seq2SeqTask, eval_step: Any,
+             params: Any, source: Any) -> tuple[dict[str, float], list[tuple[str, str, str]]]:
+  """Teacher-forced loss/accuracy on held-out pairs, then beam-search exact match and BLEU."""
+  pairs = source.eval_examples(config.data.eval_examples)
+  totals: dict[str, float] = {}
+  for start in range(0, len(pairs), config.batch_size):
+    chunk = pairs[start:start + config.batch_size]
+    chunk = chunk + [("", "")] * (config.batch_size - len(chunk))   # all-padding rows
+    sums = jax.device_get(eval_step(params, source.encode_batch(chunk)))
+    for k, v in sums.items():
+      totals[k] = totals.get(k, 0.0) + float(v)
+  weight = max(totals["weight"], 1.0)
+  metrics = {"eval/loss": totals["loss"] / weight, "eval/accuracy": totals["correct"] / weight,
+             "eval/perplexity": float(np.exp(totals["nll"] / weight))}
+
+  decode_pairs = pairs[:config.decode.eval_examples]
+  sources = [s for s, _ in decode_pairs]
+  references = [t for _, t in decode_pairs]
+  predictions = _decode_texts(model_cfg, params, source, source.vocab, sources, config.decode)
+  metrics["eval/exact_match"] = exact_match(predictions, references)
+  metrics["eval/bleu"] = corpus_bleu(predictions, references)
+  return metrics, list(zip(sources, predictions, references))
+
+
+def _write_run_files(workdir: str, config: Any, model_cfg: TransformerConfig,
+                     vocab: Any) -> None:
+  os.makedirs(workdir, exist_ok=True)
+  resolved = config.to_dict()
+  resolved["model"] = model_cfg.to_dict()
+  with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
+    json.dump(resolved, f, indent=2, sort_keys=True)
+  vocab.save(os.path.join(workdir, VOCAB_FILE))
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Trains (resuming from W/checkpoints if present), evaluates, and returns the final eval
+  metrics."""
+  validate(config)
+  source = make_source(config.data, config.seed)
+  model_cfg = model_config(config, source.vocab.vocab_size)
+  _write_run_files(workdir, config, model_cfg, source.vocab)
+  model = Transformer(model_cfg)
+  task = Seq2SeqTask(model, config.label_smoothing)
+
+  schedule = make_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
+  optimizer = make_optimizer(config.optimizer, schedule)
+  first = source.batch("train", 0, config.batch_size)
+  params = task.init_params(jax.random.PRNGKey(config.seed), first)
+  state = create_train_state(params, optimizer, config.seed)
+  print(f"model: {count_params(state.params):,} parameters; workdir: {os.path.abspath(workdir)}")
+
+  checkpointer = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), config.keep_checkpoints)
+  if checkpointer.latest_step() is not None:
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    state = checkpointer.restore(abstract)
+    print(f"resumed from step {int(state.step)}")
+  start_step = int(state.step)
+
+  train_step = make_train_step(task, optimizer, schedule, config.grad_accum_steps)
+  eval_step = make_eval_step(task)
+  writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
+  final_metrics: dict[str, float] = {}
+  samples: list[tuple[str, str, str]] = []
+
+  pending: list[tuple[int, Any]] = []        # (step, device metrics) since the last log
+  tokens_since_log, time_since_log = 0, time.perf_counter()
+  progress = tqdm(total=config.num_train_steps, initial=start_step, desc="train",
+                  unit="step", dynamic_ncols=True, disable=jax.process_index() != 0)
+  batches = source.train_batches(config.batch_size, start=start_step)
+  try:
+    for step in range(start_step + 1, config.num_train_steps + 1):
+      batch = next(batches)
+      tokens_since_log += task.count_tokens(batch)
+      state, metrics = train_step(state, batch)
+      pending.append((step, metrics))
+      progress.update(1)
+      is_last = step == config.num_train_steps
+      if step % config.log_every_steps == 0 or is_last or step % config.checkpoint_every_steps == 0:
+        host = _check_finite(jax.device_get(pending), config.nonfinite)
+        elapsed = time.perf_counter() - time_since_log
+        summary = {f"train/{k}": float(np.mean([m[k] for _, m in host]))
+                   for k in host[-1][1] if k != "nonfinite"}
+        summary["train/nonfinite_steps"] = float(sum(m["nonfinite"] for _, m in host))
+        summary["perf/tokens_per_sec"] = tokens_since_log / elapsed
+        summary["perf/steps_per_sec"] = len(host) / elapsed
+        writer.write(step, summary)
+        progress.set_postfix(loss=f"{summary['train/loss']:.4f}",
+                             tok_s=f"{summary['perf/tokens_per_sec']:.0f}")
+        pending, tokens_since_log = [], 0
+        time_since_log = time.perf_counter()
+      if step % config.checkpoint_every_steps == 0 or is_last:
+        checkpointer.save(state, force=is_last)
+      if step % config.eval_every_steps == 0 or is_last:
+        final_metrics, samples = evaluate(config, model_cfg, task, eval_step, state.params,
+                                          source)
+        writer.write(step, final_metrics)
+        progress.write(f"step {step}: " + ", ".join(f"{k}={v:.4f}"
+                                                    for k, v in final_metrics.items()))
+        time_since_log = time.perf_counter()   # Evaluation time is not training time.
+    if start_step >= config.num_train_steps:
+      print(f"already trained to step {start_step} (num_train_steps="
+            f"{config.num_train_steps}); evaluating the saved model")
+      final_metrics, samples = evaluate(config, model_cfg, task, eval_step, state.params,
+                                        source)
+  finally:
+    progress.close()
+    checkpointer.wait()
+    checkpointer.close()
+    writer.close()
+
+  for src, pred, ref in samples[:config.decode.num_samples]:
+    print(f"  source: {src}\n  output: {pred}\n  target: {ref}\n")
+  print("final: " + ", ".join(f"{k}={v:.4f}" for k, v in final_metrics.items()))
+  return final_metrics
+
+
+def _check_finite(host_metrics: list[tuple[int, dict]], policy: str) -> list[tuple[int, dict]]:
+  """With policy "stop", raises at the first step whose loss or gradient was NaN/Inf. That
+  step's update was already discarded inside the jitted step, so state and checkpoints only
+  ever hold finite parameters."""
+  for step, metrics in host_metrics:
+    if metrics["nonfinite"] and policy == "stop":
+      raise NonFiniteLossError(
+          f"non-finite loss or gradient at step {step} (loss={float(metrics['loss'])}); "
+          "training stopped and no checkpoint was written after it. Lower the learning rate, "
+          "enable gradient clipping, or set --config.nonfinite=skip to skip such steps.")
+  return host_metrics

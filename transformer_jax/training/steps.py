@@ -1,0 +1,88 @@
+"""Pure train and eval steps, compiled once with jax.jit."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from transformer_jax.training.state import TrainState
+
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+def _grads_and_sums(task: Any, params: Any, batch: dict, rng: jax.Array,
+                    grad_accum_steps: int) -> tuple[Any, dict]:
+  """Gradient of the summed loss and the summed statistics; with accumulation, the batch is
+  split into micro-batches scanned in sequence, so the result equals the full batch's."""
+  def micro(mb, key):
+    def loss(p):
+      s = task.loss_sums(p, mb, key, True)
+      return s["loss"], s
+    (_, sums), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return grads, sums
+
+  if grad_accum_steps == 1:
+    return micro(batch, rng)
+
+  def split(x):
+    if x.shape[0] % grad_accum_steps:
+      raise ValueError(f"batch size {x.shape[0]} is not divisible by "
+                       f"grad_accum_steps={grad_accum_steps}")
+    return x.reshape((grad_accum_steps, x.shape[0] // grad_accum_steps) + x.shape[1:])
+
+  micro_batches = jax.tree_util.tree_map(split, batch)
+  keys = jax.random.split(rng, grad_accum_steps)
+
+  def body(carry, xs):
+    grads, sums = micro(*xs)
+    return jax.tree_util.tree_map(jnp.add, carry, (grads, sums)), None
+
+  zeros = jax.tree_util.tree_map(
+      jnp.zeros_like, jax.eval_shape(lambda: micro(jax.tree_util.tree_map(lambda x: x[0],
+                                                                        micro_batches),
+                                                   keys[0])))
+  (grads, sums), _ = jax.lax.scan(body, zeros, (micro_batches, keys))
+  return grads, sums
+
+
+def make_train_step(task: Any, optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule, grad_accum_steps: int = 1) -> Callable:
+  """Returns jitted `(state, batch) -> (state, metrics)` with the state buffers donated.
+
+  A step whose loss or gradient is not finite leaves params and optimizer state unchanged
+  and reports metrics["nonfinite"] = 1; the loop decides whether to stop or go on.
+  """
+  if grad_accum_steps < 1:
+    raise ValueError(f"grad_accum_steps={grad_accum_steps}: must be >= 1")
+
+  def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    rng = jax.random.fold_in(state.rng, state.step)
+    grads, sums = _grads_and_sums(task, state.params, batch, rng, grad_accum_steps)
+    weight = jnp.maximum(sums["weight"], 1.0)
+    grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
+                              opt_state=keep(opt_state, state.opt_state))
+    metrics = {
+        "loss": sums["loss"] / weight,
+        "accuracy": sums["correct"] / weight,
+        "perplexity": jnp.exp(sums["nll"] / weight),
+        "learning_rate": schedule(state.step),
+        "grad_norm": grad_norm,
+        "nonfinite": (~finite).astype(jnp.int32),
+    }
+    return new_state, metrics
+
+  return jax.jit(step, donate_argnums=(0,))
+
+
+def make_eval_step(task: Any) -> Callable:
+  """Returns jitted `(params, batch) -> sums` without dropout."""
+  return jax.jit(lambda params, batch: task.loss_sums(params, batch, None, False))
