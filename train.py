@@ -4,15 +4,24 @@
 """
 
 import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from transformer_jax.training.loop import train_and_evaluate
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/default.py", "Config file (ml_collections); fields are overridable "
-    "as --config.field=value.", lock_config=True)
+try:
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", "configs/default.py", "Config file (ml_collections); fields are overridable "
+      "as --config.field=value.", lock_config=True)
+except (AttributeError, KeyError) as e:  # ml_collections applies overrides here, at define time.
+  _detail = e
+  while isinstance(_detail, (AttributeError, KeyError)) and _detail.args:
+    _detail = _detail.args[0]  # Unwrap AttributeError(KeyError("'name'\nDid you mean...")).
+  _overrides = [a.split("=")[0] for a in sys.argv[1:] if a.startswith("--config.")]
+  sys.exit(f"error: unknown config field {_detail} (overrides given: {_overrides}); "
+           "the config file lists the valid fields")
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Output directory (checkpoints, metrics.jsonl, config.json, vocab); "
     "defaults to workdirs/<config name>. An existing workdir is resumed.")

@@ -11,10 +11,10 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.task = "seq2seq"
   config.seed = 0
-  config.num_train_steps = 3000
+  config.num_train_steps = 2400
   config.log_every_steps = 100
-  config.eval_every_steps = 1000
-  config.checkpoint_every_steps = 1000
+  config.eval_every_steps = 1200
+  config.checkpoint_every_steps = 600
   config.keep_checkpoints = 3
   config.batch_size = 64
   config.grad_accum_steps = 1
@@ -38,7 +38,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.optimizer = ml_collections.ConfigDict(dict(
       name="adam", b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.0,
-      schedule="rsqrt", learning_rate=2e-3, warmup_steps=400, clip_grad_norm=1.0))
+      schedule="warmup_cosine", learning_rate=3e-3, warmup_steps=200, clip_grad_norm=1.0))
+  # Annealing to 0 matters here: with the paper's rsqrt decay the same model plateaus
+  # below 99% exact match in this budget.
 
   config.decode = ml_collections.ConfigDict(dict(
       beam_size=4, alpha=0.6, max_extra_length=4, eval_examples=1000, batch_size=250,

@@ -51,6 +51,13 @@ def _step_fn(model: Transformer, params: Any, src: Array) -> Callable:
   return step
 
 
+def _ban_special(log_probs: Array) -> Array:
+  """PAD and BOS are never outputs: emitting one would desynchronise the cache from the full
+  decoder (which masks PAD keys) and vanish in detokenization. The other entries keep the
+  model's own log-probabilities, so scores stay log P(output)."""
+  return log_probs.at[:, jnp.array([PAD_ID, BOS_ID])].set(NEG_INF)
+
+
 def greedy_search(model: Transformer, params: Any, src: Array,
                   max_length: int) -> Array:
   """Greedy decoding: (B, S) source ids -> (B, max_length) output ids."""
@@ -65,6 +72,7 @@ def greedy_search(model: Transformer, params: Any, src: Array,
   def body(state):
     i, last, output, finished, cache = state
     log_probs, cache = step(cache, last, i)
+    log_probs = _ban_special(log_probs)
     token = jnp.where(finished, PAD_ID, jnp.argmax(log_probs, -1).astype(jnp.int32))
     output = output.at[:, i].set(token)
     return i + 1, token, output, finished | (token == EOS_ID), cache
@@ -114,6 +122,7 @@ def beam_search(model: Transformer, params: Any, src: Array, max_length: int,
   def body(state):
     i, alive_seqs, alive_logp, finished_seqs, finished_scores, last, cache = state
     log_probs, cache = step(cache, last.reshape(-1), i)                   # (B*K, V)
+    log_probs = _ban_special(log_probs)
     vocab = log_probs.shape[-1]
     candidates = (alive_logp[:, :, None] + log_probs.reshape(batch, k, vocab))
     top_logp, top_index = jax.lax.top_k(candidates.reshape(batch, k * vocab), 2 * k)

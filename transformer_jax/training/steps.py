@@ -63,7 +63,7 @@ def make_train_step(task: Any, optimizer: optax.GradientTransformation,
     grads, sums = _grads_and_sums(task, state.params, batch, rng, grad_accum_steps)
     weight = jnp.maximum(sums["weight"], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)

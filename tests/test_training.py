@@ -1,0 +1,588 @@
+"""Training: the label-smoothed loss, learning-rate schedules, the jitted train step
+(gradient accumulation, reproducibility, dropout keys, the NaN guard), the train/eval loop
+end to end (outputs, resumption, stopping on a non-finite loss), metrics and the synthetic
+data.
+
+Jitted steps are compiled once per (task, optimizer) and shared between tests; states are
+built fresh for every call because the train step donates its state argument.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from configs.default import get_config
+from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig
+from transformer_jax.data.synthetic import SyntheticTask
+from transformer_jax.metrics import corpus_bleu, exact_match
+from transformer_jax.modules.models import Transformer
+from transformer_jax.predict import Predictor
+from transformer_jax.training import loop
+from transformer_jax.training.losses import (cross_entropy_sums, smoothed_targets,
+                                             smoothing_entropy)
+from transformer_jax.training.optimizers import (make_optimizer, make_schedule,
+                                                 paper_schedule)
+from transformer_jax.training.state import create_train_state
+from transformer_jax.training.steps import make_train_step
+from transformer_jax.training.tasks import Seq2SeqTask
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# ------------------------------------------------------------------------------ loss
+# Jitted (one compilation per shape) instead of op by op, which is slower on a CPU.
+cross_entropy_sums = jax.jit(cross_entropy_sums, static_argnums=2)
+
+def _random_logits(seed: int, shape) -> jnp.ndarray:
+  return jnp.asarray(np.random.default_rng(seed).normal(size=shape) * 2.0, jnp.float32)
+
+
+@pytest.mark.parametrize("smoothing", [0.1, 0.3])
+def test_perfect_model_has_zero_smoothed_loss(smoothing):
+  vocab = 7
+  targets = jnp.array([[4, 5, 2, 0], [6, 2, 0, 0]], jnp.int32)
+  perfect = jnp.log(smoothed_targets(targets, vocab, smoothing))
+  sums = cross_entropy_sums(perfect, targets, smoothing)
+  assert float(sums["weight"]) == 5.0
+  assert abs(float(sums["loss"])) < 1e-5
+  # Any other prediction costs more (Gibbs' inequality): the minimum is at the targets.
+  other = cross_entropy_sums(perfect + _random_logits(0, perfect.shape), targets, smoothing)
+  assert float(other["loss"]) > 1e-3
+
+
+def test_smoothing_entropy_is_entropy_of_smoothed_targets():
+  for vocab, eps in [(5, 0.1), (40, 0.1), (9, 0.5), (9, 0.0)]:
+    q = np.asarray(smoothed_targets(jnp.array([3]), vocab, eps), np.float64)[0]
+    np.testing.assert_allclose(q.sum(), 1.0, rtol=1e-6)
+    assert q[3] == pytest.approx(1.0 - eps)
+    entropy = -sum(p * math.log(p) for p in q if p > 0)
+    assert smoothing_entropy(vocab, eps) == pytest.approx(entropy, rel=1e-5, abs=1e-6)
+
+
+def test_unsmoothed_loss_is_nll():
+  vocab = 9
+  logits = _random_logits(1, (3, 5, vocab))
+  targets = jnp.asarray(np.random.default_rng(2).integers(1, vocab, size=(3, 5)), jnp.int32)
+  sums = cross_entropy_sums(logits, targets, 0.0)
+  log_probs = np.asarray(jax.nn.log_softmax(logits, -1), np.float64)
+  nll = -np.take_along_axis(log_probs, np.asarray(targets)[..., None], -1).sum()
+  assert float(sums["loss"]) == pytest.approx(nll, rel=1e-5)
+  assert float(sums["nll"]) == pytest.approx(nll, rel=1e-5)
+  assert float(sums["weight"]) == 15.0
+  hits = (np.asarray(logits).argmax(-1) == np.asarray(targets)).sum()
+  assert float(sums["correct"]) == hits
+  # With smoothing, "nll" is still the plain NLL while "loss" changes.
+  smoothed = cross_entropy_sums(logits, targets, 0.1)
+  assert float(smoothed["nll"]) == pytest.approx(nll, rel=1e-5)
+  assert float(smoothed["loss"]) != pytest.approx(nll, rel=1e-3)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_padding_does_not_contribute(smoothing):
+  vocab = 9
+  targets = np.array([[4, 5, 2, 0, 0], [6, 2, 0, 0, 0], [7, 8, 5, 2, 0]], np.int32)
+  logits = _random_logits(3, targets.shape + (vocab,))
+  sums = cross_entropy_sums(logits, jnp.asarray(targets), smoothing)
+  assert float(sums["weight"]) == float((targets != PAD_ID).sum()) == 9.0
+  # Changing the logits at padded positions changes nothing.
+  noise = _random_logits(4, logits.shape) * jnp.asarray(targets == PAD_ID)[..., None]
+  changed = cross_entropy_sums(logits + 100.0 * noise, jnp.asarray(targets), smoothing)
+  for key in ("loss", "nll", "correct", "weight"):
+    assert float(changed[key]) == pytest.approx(float(sums[key]), rel=1e-6), key
+  # ... but changing a real position does.
+  bump = jnp.zeros_like(logits).at[0, 0, 3].set(5.0)
+  assert float(cross_entropy_sums(logits + bump, jnp.asarray(targets), smoothing)["loss"]) != \
+      pytest.approx(float(sums["loss"]), rel=1e-4)
+  # Same sums as the unpadded rows on their own.
+  per_row = [cross_entropy_sums(logits[i:i + 1, :n], jnp.asarray(targets[i:i + 1, :n]),
+                                smoothing) for i, n in enumerate((3, 2, 4))]
+  assert float(sums["loss"]) == pytest.approx(sum(float(s["loss"]) for s in per_row), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------ schedules
+def _opt_cfg(**overrides) -> ml_collections.ConfigDict:
+  cfg = get_config().optimizer
+  cfg.update(overrides)
+  return cfg
+
+
+def test_paper_schedule_formula():
+  d_model, warmup = 512, 4000
+  schedule = paper_schedule(d_model, warmup)
+  for count in (0, 1, 9, 999, 3998, 3999, 4000, 4001, 10000, 99999):
+    step = count + 1
+    expected = d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+    assert float(schedule(count)) == pytest.approx(expected, rel=1e-5), count
+  assert float(paper_schedule(d_model, warmup, scale=2.0)(10)) == \
+      pytest.approx(2.0 * float(schedule(10)), rel=1e-6)
+
+
+@pytest.mark.parametrize("peak", [2e-3, 1e-4])
+def test_rsqrt_schedule_peaks_at_learning_rate(peak):
+  warmup = 50
+  schedule = make_schedule(_opt_cfg(schedule="rsqrt", learning_rate=peak, warmup_steps=warmup),
+                           d_model=64, num_train_steps=1000)
+  values = np.array([float(schedule(c)) for c in range(4 * warmup)])
+  assert int(values.argmax()) == warmup - 1           # step = count + 1 = warmup
+  assert values.max() == pytest.approx(peak, rel=1e-5)
+  assert (np.diff(values[:warmup]) > 0).all() and (np.diff(values[warmup:]) < 0).all()
+  # Inverse square root decay after the peak.
+  assert values[4 * warmup - 1] == pytest.approx(peak * (warmup / (4 * warmup)) ** 0.5,
+                                                 rel=1e-4)
+
+
+def test_rsqrt_schedule_default_peak_is_the_papers():
+  d_model, warmup = 64, 100
+  schedule = make_schedule(_opt_cfg(schedule="rsqrt", learning_rate=0.0, warmup_steps=warmup),
+                           d_model, 1000)
+  for count in (0, 50, 99, 500):
+    assert float(schedule(count)) == pytest.approx(float(paper_schedule(d_model, warmup)(count)),
+                                                   rel=1e-6)
+  assert float(schedule(warmup - 1)) == pytest.approx(d_model ** -0.5 * warmup ** -0.5,
+                                                      rel=1e-5)
+
+
+def test_warmup_cosine_schedule():
+  peak, warmup, total = 1e-3, 10, 110
+  schedule = make_schedule(_opt_cfg(schedule="warmup_cosine", learning_rate=peak,
+                                    warmup_steps=warmup), 64, total)
+  values = np.array([float(schedule(c)) for c in range(total + 1)])
+  assert values[0] == pytest.approx(0.0, abs=1e-12)
+  assert values[warmup] == pytest.approx(peak, rel=1e-5)
+  assert values.max() == pytest.approx(peak, rel=1e-5)
+  assert (np.diff(values[:warmup + 1]) > 0).all()                  # linear warmup
+  assert (np.diff(values[warmup:]) <= 1e-12).all()                  # then decays
+  assert values[warmup + (total - warmup) // 2] == pytest.approx(peak / 2, rel=1e-3)
+  assert values[total] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_constant_schedule():
+  peak = 3e-4
+  flat = make_schedule(_opt_cfg(schedule="constant", learning_rate=peak, warmup_steps=0), 64, 50)
+  assert all(float(flat(c)) == pytest.approx(peak) for c in (0, 1, 10, 1000))
+  warm = make_schedule(_opt_cfg(schedule="constant", learning_rate=peak, warmup_steps=10), 64, 50)
+  assert float(warm(0)) == pytest.approx(0.0, abs=1e-12)
+  assert float(warm(5)) == pytest.approx(peak / 2, rel=1e-5)
+  assert all(float(warm(c)) == pytest.approx(peak) for c in (10, 11, 1000))
+
+
+def test_invalid_schedule_and_optimizer_settings_name_the_field():
+  with pytest.raises(ValueError, match="optimizer.schedule"):
+    make_schedule(_opt_cfg(schedule="linear"), 64, 100)
+  with pytest.raises(ValueError, match="optimizer.warmup_steps"):
+    make_schedule(_opt_cfg(schedule="warmup_cosine", warmup_steps=-1), 64, 100)
+  with pytest.raises(ValueError, match="optimizer.warmup_steps"):
+    make_schedule(_opt_cfg(schedule="rsqrt", warmup_steps=0), 64, 100)
+  with pytest.raises(ValueError, match="optimizer.learning_rate"):
+    make_schedule(_opt_cfg(schedule="constant", learning_rate=0.0), 64, 100)
+  with pytest.raises(ValueError, match="optimizer.name"):
+    make_optimizer(_opt_cfg(name="sgd"), optax.constant_schedule(1e-3))
+
+
+# ------------------------------------------------------------------------ train step
+DATA = SyntheticTask("reverse", 2, 5, seed=0)
+BATCH = 8
+
+
+def _model_config(dropout: float = 0.0) -> TransformerConfig:
+  return TransformerConfig.small(
+      vocab_size=DATA.vocab.vocab_size, d_model=32, num_heads=2, d_ff=64,
+      num_encoder_layers=1, num_decoder_layers=1, max_len=16, dropout_rate=dropout)
+
+
+class ScaledLossTask(Seq2SeqTask):
+  """Multiplies the loss by the mean of batch["loss_scale"] (one value per example, so
+  micro-batching splits it too) when present: NaN there makes a step's loss and gradient
+  non-finite on demand, without another compilation."""
+
+  def loss_sums(self, params, batch, rng, train):
+    sums = super().loss_sums(params, batch, rng, train)
+    if "loss_scale" in batch:
+      sums = {**sums, "loss": sums["loss"] * jnp.mean(batch["loss_scale"])}
+    return sums
+
+
+LR = 1e-2
+_SCHEDULE = optax.constant_schedule(LR)
+_OPTIMIZERS = {
+    # The project's optimizer (Adam, gradient clipping).
+    "adam": make_optimizer(_opt_cfg(name="adam", clip_grad_norm=1.0), _SCHEDULE),
+    # Plain SGD + momentum: its update is linear in the gradient. (Adam's first update is
+    # about lr * sign(g), which turns float rounding noise in a gradient that is exactly 0
+    # in theory, e.g. the attention key bias, into lr-sized differences.)
+    "sgd": optax.sgd(1.0, momentum=0.9),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _task(dropout: float) -> ScaledLossTask:
+  return ScaledLossTask(Transformer(_model_config(dropout)), label_smoothing=0.1)
+
+
+def _train_step(dropout: float, grad_accum_steps: int = 1, optimizer: str = "adam"):
+  return _cached_train_step(dropout, grad_accum_steps, optimizer)   # One key per step kind.
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_train_step(dropout: float, grad_accum_steps: int, optimizer: str):
+  schedule = _SCHEDULE if optimizer == "adam" else optax.constant_schedule(1.0)
+  return make_train_step(_task(dropout), _OPTIMIZERS[optimizer], schedule, grad_accum_steps)
+
+
+_init_fn = jax.jit(lambda key, batch: _task(0.0).init_params(key, batch))
+
+
+@functools.lru_cache(maxsize=None)
+def _initial_params(dropout: float, seed: int):
+  del dropout  # The dropout rate does not change the parameters: one compiled init.
+  return _init_fn(jax.random.PRNGKey(seed), DATA.batch("train", 0, BATCH))
+
+
+def _fresh_state(dropout: float = 0.0, seed: int = 0, optimizer: str = "adam"):
+  """A new state with its own buffers (the step donates its input)."""
+  params = jax.tree_util.tree_map(jnp.array, _initial_params(dropout, seed))  # copies
+  return create_train_state(params, _OPTIMIZERS[optimizer], seed)
+
+
+def _batch(index: int, loss_scale: float = 1.0) -> dict:
+  """Train batch `index`; every batch has the same structure, so each step compiles once."""
+  return {**DATA.batch("train", index, BATCH),
+          "loss_scale": np.full((BATCH,), loss_scale, np.float32)}
+
+
+def _np_tree(tree):
+  return jax.tree_util.tree_map(np.asarray, jax.device_get(tree))
+
+
+def _assert_trees_equal(a, b):
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_gradient_accumulation_matches_full_batch():
+  initial = _np_tree(create_train_state(_initial_params(0.0, 0), _OPTIMIZERS["sgd"], 0).params)
+  batch = _batch(0)
+  new1, metrics1 = _train_step(0.0, 1, "sgd")(_fresh_state(optimizer="sgd"), batch)
+  new2, metrics2 = _train_step(0.0, 2, "sgd")(_fresh_state(optimizer="sgd"), batch)
+  leaves0 = jax.tree_util.tree_leaves(initial)
+  leaves1 = jax.tree_util.tree_leaves(_np_tree(new1.params))
+  leaves2 = jax.tree_util.tree_leaves(_np_tree(new2.params))
+  for x0, x1, x2 in zip(leaves0, leaves1, leaves2, strict=True):
+    np.testing.assert_allclose(x2, x1, rtol=1e-5, atol=1e-6)
+  # The step moved the parameters well beyond the tolerance, so the check has teeth.
+  moved = max(float(np.abs(x1 - x0).max()) for x0, x1 in zip(leaves0, leaves1))
+  assert moved > 1e-3
+  for key in ("loss", "accuracy", "perplexity", "grad_norm"):
+    assert float(metrics2[key]) == pytest.approx(float(metrics1[key]), rel=1e-5), key
+  assert int(new1.step) == int(new2.step) == 1
+
+
+def test_training_is_reproducible_from_the_seed():
+  def run():
+    state = _fresh_state(dropout=0.1, seed=3)
+    losses = []
+    for i in range(3):
+      state, metrics = _train_step(0.1)(state, _batch(i))
+      losses.append(float(metrics["loss"]))
+    return _np_tree(state.params), _np_tree(state.opt_state), losses
+  params_a, opt_a, losses_a = run()
+  params_b, opt_b, losses_b = run()
+  _assert_trees_equal(params_a, params_b)
+  _assert_trees_equal(opt_a, opt_b)
+  assert losses_a == losses_b
+  # A different seed gives a different model.
+  other = _np_tree(_initial_params(0.1, 4))
+  assert not all(np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(other),
+                                                      jax.tree_util.tree_leaves(params_a)))
+
+
+def _loss_at_step(dropout: float, step: int, optimizer: str = "adam") -> float:
+  state = _fresh_state(dropout, optimizer=optimizer)
+  state = state.replace(step=jnp.array(step, jnp.int32))
+  _, metrics = _train_step(dropout, 1, optimizer)(state, _batch(0))
+  return float(metrics["loss"])
+
+
+def test_dropout_mask_depends_on_step():
+  """Same params, batch and base key; only the step number differs -> different dropout
+  masks (the key is fold_in(rng, step)) -> different losses. Without dropout the step number
+  changes nothing, and the same step repeats exactly."""
+  assert _loss_at_step(0.1, 0) == _loss_at_step(0.1, 0)
+  assert _loss_at_step(0.1, 0) != _loss_at_step(0.1, 1)
+  assert _loss_at_step(0.1, 1) != _loss_at_step(0.1, 7)
+  assert _loss_at_step(0.0, 0, "sgd") == _loss_at_step(0.0, 1, "sgd")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_step_leaves_state_unchanged(bad):
+  step = _train_step(0.1)
+  state, metrics = step(_fresh_state(0.1), _batch(0, loss_scale=1.0))
+  assert int(metrics["nonfinite"]) == 0
+  before_params, before_opt = _np_tree(state.params), _np_tree(state.opt_state)
+
+  state, metrics = step(state, _batch(1, loss_scale=bad))
+  assert int(metrics["nonfinite"]) == 1
+  assert not np.isfinite(float(metrics["loss"]))
+  assert int(state.step) == 2                      # The skipped step is still counted.
+  _assert_trees_equal(_np_tree(state.params), before_params)
+  _assert_trees_equal(_np_tree(state.opt_state), before_opt)
+
+  # Training goes on from the kept state with finite updates.
+  state, metrics = step(state, _batch(2, loss_scale=1.0))
+  assert int(metrics["nonfinite"]) == 0
+  leaves = jax.tree_util.tree_leaves(_np_tree(state.params))
+  assert all(np.isfinite(x).all() for x in leaves)
+  assert any(not np.array_equal(x, y) for x, y in
+             zip(leaves, jax.tree_util.tree_leaves(before_params)))
+
+
+def test_check_finite_policies():
+  host = [(5, {"nonfinite": 0, "loss": 1.5}), (6, {"nonfinite": 1, "loss": float("nan")}),
+          (7, {"nonfinite": 1, "loss": float("nan")})]
+  with pytest.raises(loop.NonFiniteLossError, match=r"step 6\b"):
+    loop._check_finite(host, "stop")
+  assert loop._check_finite(host, "skip") == host
+  assert loop._check_finite(host[:1], "stop") == host[:1]
+
+
+def test_train_step_rejects_bad_accumulation():
+  with pytest.raises(ValueError, match="grad_accum_steps"):
+    make_train_step(_task(0.0), _OPTIMIZERS["adam"], _SCHEDULE, 0)
+
+
+# ---------------------------------------------------------------------- train loop
+def tiny_run_config(**overrides) -> ml_collections.ConfigDict:
+  """configs/default.py shrunk to seconds on a CPU, with the fields the tests rely on
+  pinned. The rsqrt schedule does not depend on num_train_steps, so a run extended by
+  resuming follows the same learning rates as one run straight through."""
+  config = get_config()
+  config.seed = 0
+  config.num_train_steps = 30
+  config.log_every_steps = 10
+  config.eval_every_steps = 30
+  config.checkpoint_every_steps = 10
+  config.keep_checkpoints = 3
+  config.batch_size = 16
+  config.grad_accum_steps = 1
+  config.label_smoothing = 0.0
+  config.nonfinite = "stop"
+  config.data.update(dict(source="synthetic", task="reverse", min_length=2, max_length=5,
+                          eval_examples=50))
+  config.decode.update(dict(beam_size=4, alpha=0.6, eval_examples=20, batch_size=20))
+  config.model.update(dict(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
+                           num_decoder_layers=1, max_len=16, dropout_rate=0.0,
+                           attention_dropout_rate=0.0, activation_dropout_rate=0.0))
+  config.optimizer.update(dict(name="adam", schedule="rsqrt", learning_rate=3e-3,
+                               warmup_steps=10, clip_grad_norm=1.0))
+  for key, value in overrides.items():
+    target = config
+    *parents, leaf = key.split(".")
+    for p in parents:
+      target = target[p]
+    target[leaf] = value
+  return config
+
+
+def _read_metrics(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _without_perf(lines: list[dict], after: int) -> list[dict]:
+  """Lines after step `after`, without the timing-dependent perf/* values."""
+  return [{k: v for k, v in line.items() if not k.startswith("perf/")}
+          for line in lines if line["step"] > after]
+
+
+def _checkpoint_steps(workdir: str) -> list[int]:
+  directory = os.path.join(workdir, loop.CHECKPOINT_DIR)
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+
+
+def test_train_and_evaluate_writes_outputs_and_resumes(tmp_path):
+  workdir = str(tmp_path / "run")
+  final = loop.train_and_evaluate(tiny_run_config(), workdir)
+
+  lines = _read_metrics(workdir)
+  assert all(isinstance(line["step"], int) for line in lines)
+  train_lines = [line for line in lines if "train/loss" in line]
+  eval_lines = [line for line in lines if "eval/exact_match" in line]
+  assert [line["step"] for line in train_lines] == [10, 20, 30]
+  assert [line["step"] for line in eval_lines] == [30]
+  for line in train_lines:
+    assert {"train/loss", "train/accuracy", "train/learning_rate", "train/grad_norm",
+            "perf/tokens_per_sec", "perf/steps_per_sec", "train/nonfinite_steps"} <= set(line)
+    assert line["perf/tokens_per_sec"] > 0 and math.isfinite(line["train/loss"])
+    assert line["train/nonfinite_steps"] == 0
+  # Training learns something: the loss goes down.
+  assert train_lines[-1]["train/loss"] < train_lines[0]["train/loss"]
+  ev = eval_lines[0]
+  assert {"eval/loss", "eval/accuracy", "eval/perplexity", "eval/bleu"} <= set(ev)
+  assert 0.0 <= ev["eval/exact_match"] <= 100.0 and 0.0 <= ev["eval/accuracy"] <= 1.0
+  assert final == pytest.approx({k: v for k, v in ev.items() if k != "step"})
+
+  with open(os.path.join(workdir, "config.json")) as f:
+    saved = json.load(f)
+  assert saved["num_train_steps"] == 30
+  assert saved["model"]["d_model"] == 32
+  assert saved["model"]["vocab_size"] == DATA.vocab.vocab_size   # Resolved from the data.
+  with open(os.path.join(workdir, "vocab.json")) as f:
+    assert json.load(f)["symbols"] == DATA.vocab.symbols
+  events = glob.glob(os.path.join(workdir, "tensorboard", "events*"))
+  assert events and all(os.path.getsize(e) > 0 for e in events)
+  assert _checkpoint_steps(workdir)[-1] == 30
+
+  # Same workdir, more steps: resumes at 30 instead of starting over.
+  loop.train_and_evaluate(tiny_run_config(num_train_steps=40), workdir)
+  lines2 = _read_metrics(workdir)
+  assert lines2[:len(lines)] == lines                    # Appended, not rewritten.
+  new = lines2[len(lines):]
+  assert [line["step"] for line in new if "train/loss" in line] == [40]
+  assert [line["step"] for line in new if "eval/exact_match" in line] == [40]
+  assert _checkpoint_steps(workdir)[-1] == 40
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["num_train_steps"] == 40
+
+  # Resuming is invisible: the same parameters and metrics as 40 steps in one go (the data
+  # position, dropout keys and optimizer state all continue where they stopped).
+  straight = str(tmp_path / "straight")
+  loop.train_and_evaluate(tiny_run_config(num_train_steps=40), straight)
+  expected, actual = _without_perf(_read_metrics(straight), 30), _without_perf(new, 30)
+  assert [l["step"] for l in actual] == [l["step"] for l in expected] == [40, 40]
+  for a, e in zip(actual, expected):
+    assert a == pytest.approx(e, rel=1e-5, abs=1e-6)
+  resumed_params, straight_params = Predictor(workdir).params, Predictor(straight).params
+  for x, y in zip(jax.tree_util.tree_leaves(resumed_params),
+                  jax.tree_util.tree_leaves(straight_params), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+def test_train_and_evaluate_stops_on_nonfinite_loss(tmp_path, monkeypatch):
+  """A NaN loss at step 5 (injected through the batch) stops training with an error naming
+  step 5; the check runs before each checkpoint, so none is written at or after step 5."""
+  bad_step = 5
+  real_make_source = loop.make_source
+
+  class PoisonedSource:
+    def __init__(self, source):
+      self._source = source
+
+    def __getattr__(self, name):
+      return getattr(self._source, name)
+
+    def train_batches(self, batch_size, start=0):
+      for step, batch in enumerate(self._source.train_batches(batch_size, start), start + 1):
+        scale = np.nan if step == bad_step else 1.0
+        yield {**batch, "loss_scale": np.full((batch_size,), scale, np.float32)}
+
+  monkeypatch.setattr(loop, "make_source", lambda *a: PoisonedSource(real_make_source(*a)))
+  monkeypatch.setattr(loop, "Seq2SeqTask", ScaledLossTask)
+  config = tiny_run_config(num_train_steps=12, log_every_steps=100, checkpoint_every_steps=4,
+                           eval_every_steps=100)
+  workdir = str(tmp_path / "nan")
+  with pytest.raises(loop.NonFiniteLossError, match=rf"step {bad_step}\b"):
+    loop.train_and_evaluate(config, workdir)
+  steps = _checkpoint_steps(workdir)
+  assert steps == [4]                      # Saved before the NaN; nothing after it.
+  assert all(step < bad_step for step in steps)
+
+
+def test_validate_rejects_bad_loop_settings(tmp_path):
+  with pytest.raises(ValueError, match="config.num_train_steps"):
+    loop.train_and_evaluate(tiny_run_config(num_train_steps=0), str(tmp_path))
+  with pytest.raises(ValueError, match="grad_accum_steps"):
+    loop.validate(tiny_run_config(batch_size=10, grad_accum_steps=3))
+  with pytest.raises(ValueError, match="config.nonfinite"):
+    loop.validate(tiny_run_config(nonfinite="ignore"))
+
+
+# -------------------------------------------------------------------------- metrics
+def test_exact_match():
+  assert exact_match(["1 2 3", "4 5"], ["1 2 3", "4 5"]) == 100.0
+  assert exact_match(["1 2 3", "4 5"], ["1 2 3", "4 6"]) == 50.0
+  assert exact_match(["1  2 ", "x"], ["1 2", "y"]) == 50.0       # whitespace-normalised
+  assert exact_match([], []) == 0.0
+  with pytest.raises(ValueError):
+    exact_match(["a"], ["a", "b"])
+
+
+def test_corpus_bleu():
+  refs = ["the cat sat on the mat", "a quick brown fox jumps over it"]
+  assert corpus_bleu(refs, refs) == pytest.approx(100.0)
+  partial = corpus_bleu(["the cat sat on a mat", "a quick brown dog jumps over it"], refs)
+  assert 0.0 < partial < 100.0
+  assert corpus_bleu(["zzz yyy xxx www", "vvv uuu ttt sss"], refs) < partial
+  with pytest.raises(ValueError):
+    corpus_bleu(refs, refs[:1])
+
+
+# ---------------------------------------------------------------------- synthetic data
+def test_synthetic_batches_are_a_function_of_seed_and_index():
+  a, b = SyntheticTask("add", 1, 4, seed=7), SyntheticTask("add", 1, 4, seed=7)
+  for x, y in zip(a.batch("train", 3, 16).values(), b.batch("train", 3, 16).values()):
+    np.testing.assert_array_equal(x, y)
+  assert a.examples("train", 3, 16) != a.examples("train", 4, 16)
+  assert a.examples("train", 3, 16) != SyntheticTask("add", 1, 4, seed=8).examples("train", 3, 16)
+  assert a.eval_examples(16) != a.examples("train", 0, 16)      # Separate streams.
+  it = a.train_batches(16, start=3)
+  np.testing.assert_array_equal(next(it)["src"], a.batch("train", 3, 16)["src"])
+  np.testing.assert_array_equal(next(it)["src"], a.batch("train", 4, 16)["src"])
+
+
+@pytest.mark.parametrize("name", ["reverse", "sort", "add"])
+def test_synthetic_targets_are_correct(name):
+  task = SyntheticTask(name, 1, 6, seed=1)
+  pairs = task.examples("train", 0, 200)
+  for source, target in pairs:
+    symbols = source.split()
+    if name == "reverse":
+      assert target.split() == symbols[::-1]
+    elif name == "sort":
+      assert target.split() == sorted(symbols, key=int)
+    else:
+      plus = symbols.index("+")
+      a, b = symbols[:plus], symbols[plus + 1:]
+      assert 1 <= len(a) <= 6 and 1 <= len(b) <= 6 and "+" not in b
+      assert int("".join(target.split())) == int("".join(a)) + int("".join(b))
+    if name != "add":
+      assert 1 <= len(symbols) <= 6 and all(s.isdigit() for s in symbols)
+  lengths = {len(s.split()) for s, _ in pairs}
+  assert len(lengths) > 1                                       # Varied lengths.
+
+  # The id batch is the text, padded: tgt_in = BOS + target, tgt_out = target + EOS.
+  batch = task.encode_batch(pairs[:20])
+  assert batch["src"].shape == (20, task.src_length)
+  assert batch["tgt_in"].shape == batch["tgt_out"].shape == (20, task.tgt_length)
+  for row, (source, target) in enumerate(pairs[:20]):
+    t = task.vocab.encode(target)
+    assert task.vocab.decode(batch["src"][row]) == source
+    assert batch["tgt_in"][row, 0] == BOS_ID
+    assert list(batch["tgt_in"][row, 1:len(t) + 1]) == t
+    assert list(batch["tgt_out"][row, :len(t) + 1]) == t + [EOS_ID]
+    assert (batch["tgt_out"][row, len(t) + 1:] == PAD_ID).all()
+
+
+def test_synthetic_task_rejects_bad_settings():
+  with pytest.raises(ValueError, match="data.task"):
+    SyntheticTask("copy", 1, 4, seed=0)
+  with pytest.raises(ValueError, match="min_length"):
+    SyntheticTask("reverse", 0, 4, seed=0)
+  with pytest.raises(ValueError, match="max_length"):
+    SyntheticTask("reverse", 5, 4, seed=0)
