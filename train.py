@@ -11,9 +11,13 @@ from ml_collections import config_flags
 
 from transformer_jax.training.loop import train_and_evaluate
 
+# The default config is found next to this file, so `python path/to/train.py` works from any
+# directory; --config=PATH is relative to the current directory as usual.
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py")
+
 try:
   _CONFIG = config_flags.DEFINE_config_file(
-      "config", "configs/default.py", "Config file (ml_collections); fields are overridable "
+      "config", _DEFAULT_CONFIG, "Config file (ml_collections); fields are overridable "
       "as --config.field=value.", lock_config=True)
 except (AttributeError, KeyError) as e:  # ml_collections applies overrides here, at define time.
   _detail = e

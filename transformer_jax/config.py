@@ -142,7 +142,8 @@ class TransformerConfig:
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         fail(field, "must be a non-negative integer")
     if self.target_vocab_size is not None and (
-        not isinstance(self.target_vocab_size, int) or self.target_vocab_size <= 0):
+        not isinstance(self.target_vocab_size, int) or isinstance(self.target_vocab_size, bool)
+        or self.target_vocab_size <= 0):
       fail("target_vocab_size", "must be a positive integer or None (shared vocabulary)")
     if self.d_model % self.num_heads:
       fail("d_model", f"must be divisible by num_heads={self.num_heads}")

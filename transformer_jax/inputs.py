@@ -1,8 +1,10 @@
 """Host-side input checks: the checked entry point in front of the jitted model.
 
-JAX clamps out-of-range gather indices silently, so a token id >= vocab_size would quietly
-read the last embedding row. These checks run on NumPy arrays before data reaches the device,
-which keeps the jitted step free of host synchronisation.
+JAX does not bounds-check gathers and raises nothing: with the embedding lookup's jnp.take, a
+token id >= vocab_size reads a row of NaNs (older JAX clamped it to the last row) and a negative
+id wraps around to the end of the table, and a position >= max_len does the same in the
+positional table. These checks run on NumPy arrays before data reaches the device, which keeps
+the jitted step free of host synchronisation.
 """
 
 from __future__ import annotations

@@ -168,6 +168,9 @@ class EncoderClassifier(nn.Module):
       pooled = (x * valid).sum(1) / jnp.maximum(valid.sum(1), 1).astype(x.dtype)
     elif self.pooling == "max":
       pooled = jnp.where(valid, x, jnp.finfo(x.dtype).min).max(1)
+      # A row with no real token (e.g. batch padding) pools to 0, as with "mean", instead
+      # of finfo.min, which the classifier layer would turn into inf/NaN logits.
+      pooled = jnp.where(valid.any(1), pooled, 0)
     else:
       pooled = x[:, 0]
     pooled = nn.Dropout(cfg.dropout_rate, deterministic=not train)(pooled)
