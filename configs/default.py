@@ -45,4 +45,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.decode = ml_collections.ConfigDict(dict(
       beam_size=4, alpha=0.6, max_extra_length=4, eval_examples=1000, batch_size=250,
       num_samples=5))
+  # Device mesh (sharding.py): -1 takes the remaining devices. Multi-host: set
+  # distributed.initialize=True (cluster read from the environment on Cloud TPU/SLURM), or
+  # give coordinator_address "host:port", num_processes and process_id.
+  config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  config.distributed = ml_collections.ConfigDict(dict(
+      initialize=False, coordinator_address="", num_processes=0, process_id=-1))
   return config

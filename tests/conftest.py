@@ -15,6 +15,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # JAX versions where the flags are known to exist: XLA aborts on an unknown flag.
 import jax  # noqa: E402  (importing does not start a backend)
 
+# Eight CPU devices for the sharding tests (tests/test_sharding.py); unsharded code still runs
+# on the first one. Must be set before the backend starts.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
 _FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
                        "--xla_cpu_use_fusion_emitters=false")
 if jax.__version_info__[:2] == (0, 10) and "TRANSFORMER_JAX_TEST_KEEP_XLA_FLAGS" not in os.environ:

@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 from tqdm.auto import tqdm
 
-from transformer_jax import decoding
+from transformer_jax import decoding, sharding
 from transformer_jax.checkpoint import Checkpointer
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.sources import make_source
@@ -22,7 +22,7 @@ from transformer_jax.metrics import MetricWriter, corpus_bleu, exact_match
 from transformer_jax.modules.models import Transformer
 from transformer_jax.params import count_params
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
-from transformer_jax.training.state import TrainState, create_train_state
+from transformer_jax.training.state import new_train_state
 from transformer_jax.training.steps import NONFINITE_POLICIES, make_eval_step, make_train_step
 from transformer_jax.training.tasks import Seq2SeqTask
 
@@ -48,6 +48,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
                      f"{NONFINITE_POLICIES}")
   if config.decode.beam_size < 1:
     raise ValueError(f"config.decode.beam_size={config.decode.beam_size}: must be >= 1")
+  if config.batch_size % jax.process_count():
+    raise ValueError(f"config.batch_size={config.batch_size} must be divisible by the "
+                     f"number of processes ({jax.process_count()})")
 
 
 def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> TransformerConfig:
@@ -74,14 +77,16 @@ def _decode_texts(model_cfg: TransformerConfig, params: Any, source: Any, vocab:
 
 
 def evaluate(config: Any, model_cfg: TransformerConfig, task: Seq2SeqTask, eval_step: Any,
-             params: Any, source: Any) -> tuple[dict[str, float], list[tuple[str, str, str]]]:
+             params: Any, source: Any, mesh: Any) -> tuple[dict[str, float], list[tuple[str, str, str]]]:
   """Teacher-forced loss/accuracy on held-out pairs, then beam-search exact match and BLEU."""
   pairs = source.eval_examples(config.data.eval_examples)
   totals: dict[str, float] = {}
+  rows = sharding.local_rows(config.batch_size)
   for start in range(0, len(pairs), config.batch_size):
     chunk = pairs[start:start + config.batch_size]
     chunk = chunk + [("", "")] * (config.batch_size - len(chunk))   # all-padding rows
-    sums = jax.device_get(eval_step(params, source.encode_batch(chunk)))
+    local = {k: v[rows] for k, v in source.encode_batch(chunk).items()}
+    sums = jax.device_get(eval_step(params, sharding.to_global(local, mesh)))
     for k, v in sums.items():
       totals[k] = totals.get(k, 0.0) + float(v)
   weight = max(totals["weight"], 1.0)
@@ -100,6 +105,8 @@ def evaluate(config: Any, model_cfg: TransformerConfig, task: Seq2SeqTask, eval_
 def _write_run_files(workdir: str, config: Any, model_cfg: TransformerConfig,
                      vocab: Any) -> None:
   os.makedirs(workdir, exist_ok=True)
+  if jax.process_index() != 0:    # One writer when hosts share the workdir.
+    return
   resolved = config.to_dict()
   resolved["model"] = model_cfg.to_dict()
   with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
@@ -110,6 +117,10 @@ def _write_run_files(workdir: str, config: Any, model_cfg: TransformerConfig,
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains (resuming from W/checkpoints if present), evaluates, and returns the final eval
   metrics."""
+  if config.distributed.initialize:     # before anything touches the devices
+    sharding.initialize_distributed(config.distributed.coordinator_address,
+                                    config.distributed.num_processes,
+                                    config.distributed.process_id)
   validate(config)
   source = make_source(config.data, config.seed)
   model_cfg = model_config(config, source.vocab.vocab_size)
@@ -119,20 +130,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   schedule = make_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
   optimizer = make_optimizer(config.optimizer, schedule)
+  mesh = sharding.make_mesh(config.mesh.to_dict())
+  sharding.check_batch_fits(config.batch_size // config.grad_accum_steps, mesh,
+                            "batch_size/grad_accum_steps")
   first = source.batch("train", 0, config.batch_size)
-  params = task.init_params(jax.random.PRNGKey(config.seed), first)
-  state = create_train_state(params, optimizer, config.seed)
-  print(f"model: {count_params(state.params):,} parameters; workdir: {os.path.abspath(workdir)}")
+  # Created under jit with its final shardings: no device ever holds the whole state.
+  state, state_sharding = sharding.create_sharded(
+      lambda: new_train_state(task.init_params(jax.random.PRNGKey(config.seed), first),
+                              optimizer, config.seed), mesh)
+  print(f"model: {count_params(state.params):,} parameters; mesh: {dict(mesh.shape)} over "
+        f"{jax.device_count()} {jax.default_backend()} devices; workdir: "
+        f"{os.path.abspath(workdir)}")
 
   checkpointer = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), config.keep_checkpoints)
   if checkpointer.latest_step() is not None:
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-    state = checkpointer.restore(abstract)
+    # Restored straight into this run's shardings, whatever mesh the checkpoint was saved on.
+    state = checkpointer.restore(sharding.abstract(state))
     print(f"resumed from step {int(state.step)}")
   start_step = int(state.step)
 
-  train_step = make_train_step(task, optimizer, schedule, config.grad_accum_steps)
-  eval_step = make_eval_step(task)
+  batch_sharding = sharding.batch_sharding(mesh)
+  train_step = make_train_step(task, optimizer, schedule, config.grad_accum_steps,
+                               state_sharding, batch_sharding)
+  eval_step = make_eval_step(task, state_sharding.params, batch_sharding)
   writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
   final_metrics: dict[str, float] = {}
   samples: list[tuple[str, str, str]] = []
@@ -142,11 +162,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   progress = tqdm(total=config.num_train_steps, initial=start_step, desc="train",
                   unit="step", dynamic_ncols=True, disable=jax.process_index() != 0)
   batches = source.train_batches(config.batch_size, start=start_step)
+  rows = sharding.local_rows(config.batch_size)
   try:
     for step in range(start_step + 1, config.num_train_steps + 1):
-      batch = next(batches)
-      tokens_since_log += task.count_tokens(batch)
-      state, metrics = train_step(state, batch)
+      local = {k: v[rows] for k, v in next(batches).items()}   # this host's share
+      tokens_since_log += task.count_tokens(local) * jax.process_count()
+      state, metrics = train_step(state, sharding.to_global(local, mesh))
       pending.append((step, metrics))
       progress.update(1)
       is_last = step == config.num_train_steps
@@ -167,7 +188,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         checkpointer.save(state, force=is_last)
       if step % config.eval_every_steps == 0 or is_last:
         final_metrics, samples = evaluate(config, model_cfg, task, eval_step, state.params,
-                                          source)
+                                          source, mesh)
         writer.write(step, final_metrics)
         progress.write(f"step {step}: " + ", ".join(f"{k}={v:.4f}"
                                                     for k, v in final_metrics.items()))
@@ -176,16 +197,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       print(f"already trained to step {start_step} (num_train_steps="
             f"{config.num_train_steps}); evaluating the saved model")
       final_metrics, samples = evaluate(config, model_cfg, task, eval_step, state.params,
-                                        source)
+                                        source, mesh)
   finally:
     progress.close()
     checkpointer.wait()
     checkpointer.close()
     writer.close()
 
-  for src, pred, ref in samples[:config.decode.num_samples]:
-    print(f"  source: {src}\n  output: {pred}\n  target: {ref}\n")
-  print("final: " + ", ".join(f"{k}={v:.4f}" for k, v in final_metrics.items()))
+  if jax.process_index() == 0:
+    for src, pred, ref in samples[:config.decode.num_samples]:
+      print(f"  source: {src}\n  output: {pred}\n  target: {ref}\n")
+    print("final: " + ", ".join(f"{k}={v:.4f}" for k, v in final_metrics.items()))
   return final_metrics
 
 

@@ -19,9 +19,16 @@ class TrainState:
   rng: jax.Array           # Base PRNG key (raw uint32); dropout keys are fold_in(rng, step).
 
 
-def create_train_state(params: Any, optimizer: optax.GradientTransformation,
-                       seed: int) -> TrainState:
-  params = nn.meta.unbox(params)
+def new_train_state(params: Any, optimizer: optax.GradientTransformation,
+                    seed: int) -> TrainState:
+  """The initial state, keeping Flax's logical-partitioning boxes on params (and on the
+  optimizer moments that mirror them) so that shardings can be read off it."""
   return TrainState(step=jnp.array(0, jnp.int32), params=params,
                     opt_state=optimizer.init(params),
                     rng=jax.random.PRNGKey(seed + 1))  # seed itself initialised params.
+
+
+def create_train_state(params: Any, optimizer: optax.GradientTransformation,
+                       seed: int) -> TrainState:
+  """The initial state as plain arrays (single device; see sharding.create_sharded)."""
+  return nn.meta.unbox(new_train_state(params, optimizer, seed))

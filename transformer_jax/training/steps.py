@@ -31,7 +31,11 @@ def _grads_and_sums(task: Any, params: Any, batch: dict, rng: jax.Array,
     if x.shape[0] % grad_accum_steps:
       raise ValueError(f"batch size {x.shape[0]} is not divisible by "
                        f"grad_accum_steps={grad_accum_steps}")
-    return x.reshape((grad_accum_steps, x.shape[0] // grad_accum_steps) + x.shape[1:])
+    # Micro-batch i takes rows i, i+k, i+2k, ...: with the batch sharded over devices, every
+    # device then holds an equal part of every micro-batch (contiguous chunks would leave
+    # most devices idle in each micro-step).
+    x = x.reshape((x.shape[0] // grad_accum_steps, grad_accum_steps) + x.shape[1:])
+    return x.swapaxes(0, 1)
 
   micro_batches = jax.tree_util.tree_map(split, batch)
   keys = jax.random.split(rng, grad_accum_steps)
@@ -49,8 +53,10 @@ def _grads_and_sums(task: Any, params: Any, batch: dict, rng: jax.Array,
 
 
 def make_train_step(task: Any, optimizer: optax.GradientTransformation,
-                    schedule: optax.Schedule, grad_accum_steps: int = 1) -> Callable:
+                    schedule: optax.Schedule, grad_accum_steps: int = 1,
+                    state_sharding: Any = None, batch_sharding: Any = None) -> Callable:
   """Returns jitted `(state, batch) -> (state, metrics)` with the state buffers donated.
+  With shardings (see sharding.py) the state keeps its layout from step to step.
 
   A step whose loss or gradient is not finite leaves params and optimizer state unchanged
   and reports metrics["nonfinite"] = 1; the loop decides whether to stop or go on.
@@ -80,9 +86,16 @@ def make_train_step(task: Any, optimizer: optax.GradientTransformation,
     }
     return new_state, metrics
 
-  return jax.jit(step, donate_argnums=(0,))
+  if state_sharding is None:
+    return jax.jit(step, donate_argnums=(0,))
+  return jax.jit(step, donate_argnums=(0,), in_shardings=(state_sharding, batch_sharding),
+                 out_shardings=(state_sharding, None))
 
 
-def make_eval_step(task: Any) -> Callable:
+def make_eval_step(task: Any, params_sharding: Any = None,
+                   batch_sharding: Any = None) -> Callable:
   """Returns jitted `(params, batch) -> sums` without dropout."""
-  return jax.jit(lambda params, batch: task.loss_sums(params, batch, None, False))
+  fn = lambda params, batch: task.loss_sums(params, batch, None, False)
+  if params_sharding is None:
+    return jax.jit(fn)
+  return jax.jit(fn, in_shardings=(params_sharding, batch_sharding))

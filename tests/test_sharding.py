@@ -1,0 +1,241 @@
+"""Sharding over a device mesh (8 CPU devices, see conftest): layouts agree with one device,
+parameters are split as the logical-axis rules say, checkpoints move between meshes, and two
+processes under jax.distributed train like one."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from conftest import assert_close, random_tokens, tiny_config
+from transformer_jax import BOS_ID, EOS_ID, Transformer, sharding
+from transformer_jax.checkpoint import Checkpointer
+from transformer_jax.training.state import create_train_state, new_train_state
+from transformer_jax.training.steps import make_eval_step, make_train_step
+from transformer_jax.training.tasks import Seq2SeqTask
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYOUTS = {                      # the issue's layouts on 8 devices
+    "data8": dict(data=8),
+    "fsdp8": dict(data=1, fsdp=8),
+    "data2_tensor4": dict(data=2, tensor=4),
+    "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2),
+}
+STEPS = 3
+# 4 heads, vocab 40, d_model 32, d_ff 64: every sharded dimension divides its mesh axes.
+CFG = tiny_config(num_heads=4, dropout_rate=0.1)
+OPTIMIZER = optax.adam(3e-3, b2=0.98)
+
+needs_8_devices = pytest.mark.skipif(jax.device_count() < 8,
+                                     reason="needs 8 devices (conftest forces 8 CPU devices)")
+
+
+def _batch(rows: int = 16) -> dict[str, np.ndarray]:
+  src = random_tokens(0, rows, 9)
+  tgt = random_tokens(1, rows, 6)
+  src[::3, 6:] = 0                               # some padding
+  bos = np.full((rows, 1), BOS_ID, np.int32)
+  eos = np.full((rows, 1), EOS_ID, np.int32)
+  return {"src": src, "tgt_in": np.concatenate([bos, tgt], 1),
+          "tgt_out": np.concatenate([tgt, eos], 1)}
+
+
+TASK = Seq2SeqTask(Transformer(CFG), label_smoothing=0.1)
+
+
+def _init_fn(batch):
+  return lambda: new_train_state(TASK.init_params(jax.random.PRNGKey(0), batch), OPTIMIZER, 0)
+
+
+def _train_single_device():
+  """The plain, unsharded path: the reference."""
+  batch = _batch()
+  state = create_train_state(TASK.init_params(jax.random.PRNGKey(0), batch), OPTIMIZER, 0)
+  step = make_train_step(TASK, OPTIMIZER, lambda s: 3e-3)
+  losses = []
+  for _ in range(STEPS):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  return jax.device_get(state), losses
+
+
+def _train_on(mesh):
+  batch = _batch()
+  state, state_sharding = sharding.create_sharded(_init_fn(batch), mesh)
+  step = make_train_step(TASK, OPTIMIZER, lambda s: 3e-3, 1, state_sharding,
+                         sharding.batch_sharding(mesh))
+  losses = []
+  for _ in range(STEPS):
+    state, metrics = step(state, sharding.to_global(batch, mesh))
+    losses.append(float(metrics["loss"]))
+  return state, losses
+
+
+@pytest.fixture(scope="module")
+def reference():
+  return _train_single_device()
+
+
+# ------------------------------------------------------------------------- mesh shape
+@pytest.mark.parametrize("sizes, devices, shape", [
+    (dict(data=-1), 8, (8, 1, 1)),
+    (dict(data=-1, tensor=4), 8, (2, 1, 4)),
+    (dict(data=2, fsdp=-1, tensor=2), 8, (2, 2, 2)),
+    (dict(data=1, fsdp=1, tensor=1), 1, (1, 1, 1)),
+])
+def test_mesh_shape_resolves_minus_one(sizes, devices, shape):
+  assert sharding.resolve_mesh_shape(sizes, devices) == shape
+
+
+@pytest.mark.parametrize("sizes, devices, message", [
+    (dict(data=4), 8, "needs 4 devices but 8 are available"),
+    (dict(data=3, tensor=-1), 8, "do not divide the 8 available devices"),
+    (dict(data=-1, fsdp=-1), 8, "at most one axis may be -1"),
+    (dict(data=0), 8, "mesh.data=0"),
+    (dict(model=2), 8, "unknown mesh axes ['model']"),
+])
+def test_mesh_that_does_not_fit_is_refused(sizes, devices, message):
+  with pytest.raises(sharding.MeshError) as e:
+    sharding.resolve_mesh_shape(sizes, devices)
+  assert message in str(e.value)
+
+
+def test_batch_must_split_evenly_over_data_and_fsdp():
+  mesh = sharding.make_mesh(dict(data=2, fsdp=2, tensor=2)) if jax.device_count() >= 8 else None
+  if mesh is None:
+    pytest.skip("needs 8 devices")
+  sharding.check_batch_fits(16, mesh)
+  with pytest.raises(sharding.MeshError, match="batch_size=6 is not divisible by mesh "
+                     "data\\*fsdp=4"):
+    sharding.check_batch_fits(6, mesh)
+
+
+# ------------------------------------------------------------------ equal results
+@needs_8_devices
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_match_one_device(reference, layout):
+  ref_state, ref_losses = reference
+  state, losses = _train_on(sharding.make_mesh(LAYOUTS[layout]))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert losses[-1] < losses[0]                    # it trained
+  got = jax.device_get(state)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got.params)[0],
+                          jax.tree_util.tree_leaves(ref_state.params)):
+    # A key bias shifts every score of a query equally, which softmax ignores: its gradient
+    # is rounding noise, which Adam scales up to full-size steps, so it is not comparable.
+    if "['key']['bias']" not in jax.tree_util.keystr(path):
+      assert_close(a, b, atol=1e-6, rtol=1e-5)
+  jax.tree_util.tree_map(lambda a, b: assert_close(a, b, atol=1e-7, rtol=1e-5),
+                         got.opt_state, ref_state.opt_state)
+
+
+# ------------------------------------------------------------- the layout itself
+def _spec(state, path_fragment: str, tree: str = "params"):
+  leaves = jax.tree_util.tree_flatten_with_path(getattr(state, tree))[0]
+  matches = [(jax.tree_util.keystr(p), x) for p, x in leaves
+             if path_fragment in jax.tree_util.keystr(p)]
+  assert matches, path_fragment
+  return matches[0][1].sharding.spec
+
+
+def _param_bytes_per_device(params) -> int:
+  """Bytes of parameters held by device 0."""
+  return sum(shard.data.nbytes for x in jax.tree_util.tree_leaves(params)
+             for shard in x.addressable_shards if shard.device == jax.devices()[0])
+
+
+@needs_8_devices
+def test_parameters_and_optimizer_state_are_sharded_as_the_rules_say():
+  batch = _batch()
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(jax.eval_shape(
+      lambda: TASK.init_params(jax.random.PRNGKey(0), batch))))
+  per_device = {}
+  for name, sizes in [("data8", dict(data=8)), ("fsdp8", dict(fsdp=8)),
+                      ("tensor4", dict(data=2, tensor=4))]:
+    state, _ = sharding.create_sharded(_init_fn(batch), sharding.make_mesh(sizes))
+    per_device[name] = _param_bytes_per_device(state.params)
+    ffn_in = "['encoder']['layer_0']['feed_forward']['wi']['kernel']"
+    if name == "fsdp8":
+      assert _spec(state, ffn_in) == jax.sharding.PartitionSpec("fsdp", "tensor")
+      assert _spec(state, "['embedding']") == jax.sharding.PartitionSpec("tensor", "fsdp")
+      # Adam's moments live where their parameters live.
+      assert _spec(state, ffn_in, "opt_state") == _spec(state, ffn_in)
+    if name == "tensor4":
+      assert _spec(state, "['query']['kernel']") == jax.sharding.PartitionSpec(
+          "fsdp", "tensor", None)
+      shard_shape = state.params["encoder"]["layer_0"]["feed_forward"]["wi"]["kernel"] \
+          .addressable_shards[0].data.shape
+      assert shard_shape == (CFG.d_model, CFG.d_ff // 4)
+  assert per_device["data8"] == total                    # replicated
+  assert per_device["fsdp8"] < total / 7                 # ~1/8 (biases over heads replicate)
+  assert total / 4 <= per_device["tensor4"] < total / 3  # ~1/4 (norms replicate)
+
+
+@needs_8_devices
+def test_indivisible_dimensions_are_replicated_not_refused():
+  cfg = tiny_config(num_heads=2)                        # 2 heads cannot split 4 ways
+  task = Seq2SeqTask(Transformer(cfg))
+  batch = _batch()
+  init = lambda: new_train_state(task.init_params(jax.random.PRNGKey(0), batch), OPTIMIZER, 0)
+  state, _ = sharding.create_sharded(init, sharding.make_mesh(dict(data=2, tensor=4)))
+  assert _spec(state, "['query']['kernel']") == jax.sharding.PartitionSpec("fsdp", None, None)
+
+
+# ------------------------------------------------------------------- checkpoints
+@needs_8_devices
+def test_checkpoint_restores_onto_another_mesh(tmp_path):
+  state, _ = _train_on(sharding.make_mesh(dict(fsdp=8)))
+  expected = jax.device_get(state)
+  checkpointer = Checkpointer(str(tmp_path / "ckpt"))
+  checkpointer.save(state, force=True)
+  checkpointer.wait()
+  batch = _batch()
+  for sizes in [dict(data=1), dict(data=2, fsdp=2, tensor=2)]:
+    devices = jax.devices()[:1] if sizes == dict(data=1) else None
+    target, target_sharding = sharding.create_sharded(_init_fn(batch),
+                                                       sharding.make_mesh(sizes, devices))
+    restored = checkpointer.restore(sharding.abstract(target))
+    for leaf, want in zip(jax.tree_util.tree_leaves(restored),
+                          jax.tree_util.tree_leaves(target_sharding)):
+      assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(restored.params),
+                           expected.params)
+  checkpointer.close()
+
+
+# ---------------------------------------------------------------------- evaluation
+@needs_8_devices
+def test_sharded_eval_step_matches_single_device(reference):
+  ref_state, _ = reference
+  batch = _batch()
+  want = make_eval_step(TASK)(ref_state.params, batch)
+  mesh = sharding.make_mesh(dict(data=2, fsdp=2, tensor=2))
+  state, state_sharding = sharding.create_sharded(_init_fn(batch), mesh)
+  params = jax.device_put(ref_state.params, state_sharding.params)
+  got = make_eval_step(TASK, state_sharding.params, sharding.batch_sharding(mesh))(
+      params, sharding.to_global(batch, mesh))
+  jax.tree_util.tree_map(lambda a, b: assert_close(a, b, rtol=1e-5), got, want)
+
+
+# ------------------------------------------------------------------------ decoding
+@needs_8_devices
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_decoding_a_sharded_model_matches_one_device(reference, beam_size):
+  from transformer_jax import decoding
+  ref_state, _ = reference
+  cfg = CFG.replace(dropout_rate=0.0)
+  src = _batch(8)["src"]
+  want = decoding.generate(cfg, ref_state.params, src, max_length=8, beam_size=beam_size)
+  mesh = sharding.make_mesh(dict(data=2, fsdp=2, tensor=2))
+  _, state_sharding = sharding.create_sharded(_init_fn(_batch()), mesh)
+  params = jax.device_put(ref_state.params, state_sharding.params)
+  got = decoding.generate(cfg, params, src, max_length=8, beam_size=beam_size)
+  np.testing.assert_array_equal(got, want)

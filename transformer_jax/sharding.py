@@ -1,0 +1,172 @@
+"""Device mesh, logical-axis rules and shardings: how one jitted program runs on 1 or N devices.
+
+Parameters carry logical axis names (`embed`, `heads`, `mlp`, `vocab`, ...; see modules/).
+`LOGICAL_AXIS_RULES` maps them onto a 3-axis mesh:
+  data    batch only (pure data parallelism: parameters replicated);
+  fsdp    batch, and parameters/optimizer state split along `embed` (ZeRO-3 style);
+  tensor  attention heads, FFN hidden units and the vocabulary (Megatron-style).
+`jax.jit` with these shardings is what pjit became; XLA's partitioner inserts the
+collectives, so the model code does not change with the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# (logical name, mesh axes); names not listed are replicated.
+LOGICAL_AXIS_RULES = (
+    ("batch", BATCH_AXES),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+)
+
+
+class MeshError(ValueError):
+  """A mesh that does not fit the devices, or a batch that does not fit the mesh."""
+
+
+def resolve_mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ...]:
+  """Sizes per MESH_AXES with at most one -1 ("the remaining devices"); their product must
+  be the device count."""
+  unknown = [k for k in sizes if k not in MESH_AXES]
+  if unknown:
+    raise MeshError(f"unknown mesh axes {unknown}; the mesh axes are {MESH_AXES}")
+  shape = [sizes.get(axis, 1) for axis in MESH_AXES]
+  for axis, size in zip(MESH_AXES, shape):
+    if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+      raise MeshError(f"mesh.{axis}={size!r}: must be a positive integer or -1")
+  if shape.count(-1) > 1:
+    raise MeshError(f"mesh {dict(zip(MESH_AXES, shape))}: at most one axis may be -1")
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape:
+    if num_devices % known:
+      raise MeshError(f"mesh {dict(zip(MESH_AXES, shape))}: the fixed axes ({known} devices) "
+                      f"do not divide the {num_devices} available devices")
+    shape[shape.index(-1)] = num_devices // known
+  if math.prod(shape) != num_devices:
+    raise MeshError(f"mesh {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices but "
+                    f"{num_devices} are available ({jax.default_backend()}); make the product "
+                    "of data*fsdp*tensor equal the device count, or set one axis to -1")
+  return tuple(shape)
+
+
+def make_mesh(sizes: dict[str, int], devices: list | None = None) -> Mesh:
+  """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes)."""
+  devices = jax.devices() if devices is None else list(devices)
+  shape = resolve_mesh_shape(dict(sizes), len(devices))
+  # Auto axes: shardings are given at jit boundaries and XLA propagates them inside.
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices)
+
+
+def _fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, name: str,
+              unfit: list[str]) -> P:
+  """Replicates any dimension whose size the mesh axes assigned to it do not divide (e.g. 2
+  heads on tensor=4): XLA needs even shards."""
+  dims = []
+  for size, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    ways = math.prod(mesh.shape[a] for a in names)
+    if ways > 1 and size % ways:
+      unfit.append(f"{name} dim of size {size} over {names}")
+      axes = None
+    dims.append(axes)
+  return P(*dims)
+
+
+def shardings_for(boxed_tree: Any, mesh: Mesh,
+                  rules: tuple = LOGICAL_AXIS_RULES) -> Any:
+  """NamedShardings for a pytree whose leaves are logically partitioned boxes (as from
+  `jax.eval_shape` of an init that keeps Flax's boxes) or plain arrays (replicated)."""
+  logical = nn.get_partition_spec(boxed_tree)
+  mesh_specs = nn.logical_to_mesh(logical, rules)
+  shapes = nn.meta.unbox(boxed_tree)
+  unfit: list[str] = []
+  paths_specs, treedef = jax.tree_util.tree_flatten_with_path(
+      mesh_specs, is_leaf=lambda x: isinstance(x, P))
+  fitted = [
+      _fit_spec(spec, leaf.shape, mesh, jax.tree_util.keystr(path), unfit)
+      for (path, spec), leaf in zip(paths_specs, jax.tree_util.tree_leaves(shapes))]
+  if unfit:
+    logging.warning("not sharded (size not divisible by the mesh axes), replicated instead: %s",
+                    "; ".join(unfit[:8]) + (f"; ... {len(unfit) - 8} more" if len(unfit) > 8
+                                            else ""))
+  return jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in fitted])
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Leading (batch) dimension split over data x fsdp, the rest replicated."""
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_ways(mesh: Mesh) -> int:
+  return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def check_batch_fits(global_batch_size: int, mesh: Mesh, what: str = "batch_size") -> None:
+  if global_batch_size % batch_ways(mesh):
+    raise MeshError(f"{what}={global_batch_size} is not divisible by mesh data*fsdp="
+                    f"{batch_ways(mesh)}; every device needs an equal share of the batch")
+
+
+def local_rows(global_batch_size: int) -> slice:
+  """The rows of a global batch that this process feeds (hosts feed disjoint slices)."""
+  per_process = global_batch_size // jax.process_count()
+  start = jax.process_index() * per_process
+  return slice(start, start + per_process)
+
+
+def to_global(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Global arrays, batch-sharded on the mesh, from this process's rows of the batch."""
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+          for k, v in local_batch.items()}
+
+
+def create_sharded(init_fn: Callable[[], Any], mesh: Mesh,
+                   rules: tuple = LOGICAL_AXIS_RULES) -> tuple[Any, Any]:
+  """Runs `init_fn` (returning a pytree with Flax's logical boxes) under jit with the
+  shardings its boxes ask for, so each device only ever materialises its own shards.
+  Returns the unboxed tree and its shardings."""
+  shardings = shardings_for(jax.eval_shape(init_fn), mesh, rules)
+  tree = jax.jit(lambda: nn.meta.unbox(init_fn()), out_shardings=shardings)()
+  return tree, shardings
+
+
+def abstract(tree: Any) -> Any:
+  """Shapes, dtypes and shardings of a tree of arrays: what Orbax restores into (a checkpoint
+  saved on any mesh is resharded onto this one)."""
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def initialize_distributed(coordinator_address: str = "", num_processes: int = 0,
+                           process_id: int = -1) -> None:
+  """Multi-host start-up: one process per host (or per GPU), all running the same program.
+  With an empty coordinator address, `jax.distributed.initialize` reads the cluster from the
+  environment (Cloud TPU, SLURM, Open MPI, Kubernetes)."""
+  if not coordinator_address:
+    jax.distributed.initialize()
+    return
+  if num_processes < 1 or not 0 <= process_id < num_processes:
+    raise ValueError(f"distributed: num_processes={num_processes} and process_id={process_id} "
+                     "must satisfy 0 <= process_id < num_processes when coordinator_address "
+                     f"={coordinator_address!r} is given")
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id)
