@@ -9,6 +9,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from transformer_jax.checkpoint import DamagedCheckpointError, IncompatibleCheckpointError
 from transformer_jax.training.loop import train_and_evaluate
 
 # The default config is found next to this file, so `python path/to/train.py` works from any
@@ -28,7 +29,8 @@ except (AttributeError, KeyError) as e:  # ml_collections applies overrides here
            "the config file lists the valid fields")
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Output directory (checkpoints, metrics.jsonl, config.json, vocab); "
-    "defaults to workdirs/<config name>. An existing workdir is resumed.")
+    "defaults to workdirs/<config name>. An existing workdir is resumed from its newest "
+    "good checkpoint. SIGTERM/SIGINT stop after the current step with a checkpoint.")
 
 
 def main(argv):
@@ -37,7 +39,10 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])
   config_name = os.path.splitext(os.path.basename(config_path))[0]
-  train_and_evaluate(_CONFIG.value, _WORKDIR.value or os.path.join("workdirs", config_name))
+  try:
+    train_and_evaluate(_CONFIG.value, _WORKDIR.value or os.path.join("workdirs", config_name))
+  except (IncompatibleCheckpointError, DamagedCheckpointError) as e:  # Say what, no trace.
+    sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

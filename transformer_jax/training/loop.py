@@ -14,19 +14,20 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from transformer_jax import decoding
-from transformer_jax.checkpoint import Checkpointer
+from transformer_jax.checkpoint import CHECKPOINT_DIR, TrainCheckpoints, tokenizer_item
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.sources import make_source
 from transformer_jax.inputs import check_inputs
 from transformer_jax.metrics import MetricWriter, corpus_bleu, exact_match
 from transformer_jax.modules.models import Transformer
 from transformer_jax.params import count_params
+from transformer_jax.preemption import PreemptionWatcher
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
 from transformer_jax.training.state import TrainState, create_train_state
 from transformer_jax.training.steps import NONFINITE_POLICIES, make_eval_step, make_train_step
 from transformer_jax.training.tasks import Seq2SeqTask
 
-CONFIG_FILE, VOCAB_FILE, CHECKPOINT_DIR = "config.json", "vocab.json", "checkpoints"
+CONFIG_FILE, VOCAB_FILE = "config.json", "vocab.json"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -48,6 +49,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
                      f"{NONFINITE_POLICIES}")
   if config.decode.beam_size < 1:
     raise ValueError(f"config.decode.beam_size={config.decode.beam_size}: must be >= 1")
+  if not isinstance(config.keep_best_checkpoints, int) or config.keep_best_checkpoints < 0:
+    raise ValueError(f"config.keep_best_checkpoints={config.keep_best_checkpoints!r}: must be "
+                     "an integer >= 0 (0: keep only the most recent)")
+  if config.best_checkpoint_mode not in ("max", "min"):
+    raise ValueError(f"config.best_checkpoint_mode={config.best_checkpoint_mode!r}: must be "
+                     "'max' or 'min'")
 
 
 def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> TransformerConfig:
@@ -97,14 +104,31 @@ def evaluate(config: Any, model_cfg: TransformerConfig, task: Seq2SeqTask, eval_
   return metrics, list(zip(sources, predictions, references))
 
 
-def _write_run_files(workdir: str, config: Any, model_cfg: TransformerConfig,
-                     vocab: Any) -> None:
-  os.makedirs(workdir, exist_ok=True)
+def _resolved_config(config: Any, model_cfg: TransformerConfig) -> dict[str, Any]:
   resolved = config.to_dict()
   resolved["model"] = model_cfg.to_dict()
+  return resolved
+
+
+def _write_run_files(workdir: str, resolved: dict[str, Any], vocab: Any) -> None:
+  os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
     json.dump(resolved, f, indent=2, sort_keys=True)
   vocab.save(os.path.join(workdir, VOCAB_FILE))
+
+
+def _make_checkpoints(config: Any, workdir: str, resolved: dict[str, Any],
+                      vocab: Any) -> TrainCheckpoints:
+  """Saves every checkpoint_every_steps and at the end; with keep_best_checkpoints, every
+  evaluation is saved too, so that the best one is among the checkpoints."""
+  every = [config.checkpoint_every_steps]
+  if config.keep_best_checkpoints:
+    every.append(config.eval_every_steps)
+  return TrainCheckpoints(
+      os.path.join(workdir, CHECKPOINT_DIR), resolved, tokenizer_item(vocab),
+      save_interval_steps=every, final_step=config.num_train_steps,
+      keep=config.keep_checkpoints, keep_best=config.keep_best_checkpoints,
+      best_metric=config.best_checkpoint_metric, best_mode=config.best_checkpoint_mode)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
@@ -113,7 +137,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   validate(config)
   source = make_source(config.data, config.seed)
   model_cfg = model_config(config, source.vocab.vocab_size)
-  _write_run_files(workdir, config, model_cfg, source.vocab)
+  resolved = _resolved_config(config, model_cfg)
   model = Transformer(model_cfg)
   task = Seq2SeqTask(model, config.label_smoothing)
 
@@ -124,16 +148,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   state = create_train_state(params, optimizer, config.seed)
   print(f"model: {count_params(state.params):,} parameters; workdir: {os.path.abspath(workdir)}")
 
-  checkpointer = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), config.keep_checkpoints)
-  if checkpointer.latest_step() is not None:
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-    state = checkpointer.restore(abstract)
-    print(f"resumed from step {int(state.step)}")
+  # Resume before writing anything: a config that cannot continue is refused untouched.
+  checkpoints = _make_checkpoints(config, workdir, resolved, source.vocab)
+  batches = source.train_batches(config.batch_size)
+  restored = checkpoints.restore(state)
+  if restored is not None:
+    state = restored.state
+    batches.set_state(restored.data_state)
+    print(f"resumed from step {restored.step}")
   start_step = int(state.step)
+  _write_run_files(workdir, resolved, source.vocab)
 
   train_step = make_train_step(task, optimizer, schedule, config.grad_accum_steps)
   eval_step = make_eval_step(task)
-  writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
+  # Lines after the resumed step describe training that is being redone: dropped.
+  writer = MetricWriter(workdir, enabled=jax.process_index() == 0, resume_step=start_step)
   final_metrics: dict[str, float] = {}
   samples: list[tuple[str, str, str]] = []
 
@@ -141,37 +170,51 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   tokens_since_log, time_since_log = 0, time.perf_counter()
   progress = tqdm(total=config.num_train_steps, initial=start_step, desc="train",
                   unit="step", dynamic_ncols=True, disable=jax.process_index() != 0)
-  batches = source.train_batches(config.batch_size, start=start_step)
+  preemption = PreemptionWatcher()
   try:
-    for step in range(start_step + 1, config.num_train_steps + 1):
-      batch = next(batches)
-      tokens_since_log += task.count_tokens(batch)
-      state, metrics = train_step(state, batch)
-      pending.append((step, metrics))
-      progress.update(1)
-      is_last = step == config.num_train_steps
-      if step % config.log_every_steps == 0 or is_last or step % config.checkpoint_every_steps == 0:
-        host = _check_finite(jax.device_get(pending), config.nonfinite)
-        elapsed = time.perf_counter() - time_since_log
-        summary = {f"train/{k}": float(np.mean([m[k] for _, m in host]))
-                   for k in host[-1][1] if k != "nonfinite"}
-        summary["train/nonfinite_steps"] = float(sum(m["nonfinite"] for _, m in host))
-        summary["perf/tokens_per_sec"] = tokens_since_log / elapsed
-        summary["perf/steps_per_sec"] = len(host) / elapsed
-        writer.write(step, summary)
-        progress.set_postfix(loss=f"{summary['train/loss']:.4f}",
-                             tok_s=f"{summary['perf/tokens_per_sec']:.0f}")
-        pending, tokens_since_log = [], 0
-        time_since_log = time.perf_counter()
-      if step % config.checkpoint_every_steps == 0 or is_last:
-        checkpointer.save(state, force=is_last)
-      if step % config.eval_every_steps == 0 or is_last:
-        final_metrics, samples = evaluate(config, model_cfg, task, eval_step, state.params,
-                                          source)
-        writer.write(step, final_metrics)
-        progress.write(f"step {step}: " + ", ".join(f"{k}={v:.4f}"
-                                                    for k, v in final_metrics.items()))
-        time_since_log = time.perf_counter()   # Evaluation time is not training time.
+    with preemption:
+      for step in range(start_step + 1, config.num_train_steps + 1):
+        batch = next(batches)
+        tokens_since_log += task.count_tokens(batch)
+        state, metrics = train_step(state, batch)
+        pending.append((step, metrics))
+        progress.update(1)
+        is_last = step == config.num_train_steps
+        stop = preemption.should_stop(step)
+        save = stop or checkpoints.should_save(step)
+        if step % config.log_every_steps == 0 or is_last or save:
+          host = _check_finite(jax.device_get(pending), config.nonfinite)
+          elapsed = time.perf_counter() - time_since_log
+          summary = {f"train/{k}": float(np.mean([m[k] for _, m in host]))
+                     for k in host[-1][1] if k != "nonfinite"}
+          summary["train/nonfinite_steps"] = float(sum(m["nonfinite"] for _, m in host))
+          summary["perf/tokens_per_sec"] = tokens_since_log / elapsed
+          summary["perf/steps_per_sec"] = len(host) / elapsed
+          writer.write(step, summary)
+          progress.set_postfix(loss=f"{summary['train/loss']:.4f}",
+                               tok_s=f"{summary['perf/tokens_per_sec']:.0f}")
+          pending, tokens_since_log = [], 0
+          time_since_log = time.perf_counter()
+        evaluated = None
+        if (step % config.eval_every_steps == 0 or is_last) and not stop:
+          final_metrics, samples = evaluate(config, model_cfg, task, eval_step, state.params,
+                                            source)
+          writer.write(step, final_metrics)
+          progress.write(f"step {step}: " + ", ".join(f"{k}={v:.4f}"
+                                                      for k, v in final_metrics.items()))
+          evaluated = final_metrics
+        if save:
+          # After the evaluation, so a checkpoint at step s implies all of s's metrics logged.
+          started = time.perf_counter()
+          checkpoints.save(step, state, batches.get_state(), metrics=evaluated)
+          writer.write(step, {"perf/checkpoint_blocking_secs": time.perf_counter() - started})
+        if evaluated is not None or save:
+          time_since_log = time.perf_counter()   # Evaluating and saving are not training.
+        if stop:
+          checkpoints.wait()   # Durable before exiting: the scheduler may kill us soon.
+          progress.write(f"{preemption.signal_name} received: stopped after step {step} and "
+                         f"saved {checkpoints.path(step)}; run the same command to resume.")
+          return {}
     if start_step >= config.num_train_steps:
       print(f"already trained to step {start_step} (num_train_steps="
             f"{config.num_train_steps}); evaluating the saved model")
@@ -179,8 +222,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                         source)
   finally:
     progress.close()
-    checkpointer.wait()
-    checkpointer.close()
+    checkpoints.close()   # Waits for the last save to be committed.
     writer.close()
 
   for src, pred, ref in samples[:config.decode.num_samples]:
