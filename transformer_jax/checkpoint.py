@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import logging as std_logging
 import os
 import tempfile
 from typing import Any, Callable, Iterable, Sequence, TypeVar
@@ -60,8 +61,6 @@ class DamagedCheckpointError(RuntimeError):
 def _leaf_fingerprint(x: jax.Array) -> jax.Array:
   """Two uint32 sums of the array's bits, plain and position-weighted (mod 2**32): any single
   flipped bit changes the first; swapped values change the second."""
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.uint8)
   unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
@@ -256,6 +255,14 @@ def _train_tree(state: TrainState) -> dict[str, Any]:
   return {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}
 
 
+class _WithoutMissingMetricsWarning(std_logging.Filter):
+  """Orbax warns at every save without metrics when it tracks the best checkpoint; here
+  only evaluations have metrics, by design."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return "did not provide metrics" not in record.getMessage()
+
+
 class TrainCheckpoints:
   """W/checkpoints: an Orbax CheckpointManager plus the run's config and tokenizer.
 
@@ -276,6 +283,7 @@ class TrainCheckpoints:
     saves += [policies.SpecificStepsPolicy([final_step])] if final_step else []
     keeps = [policies.LatestN(keep)]
     if self.best_metric:
+      std_logging.getLogger("absl").addFilter(_WithoutMissingMetricsWarning())
       keeps.append(policies.BestN(get_metric_fn=self._best_value, reverse=best_mode == "min",
                                   n=keep_best, keep_checkpoints_without_metrics=False))
     self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
@@ -431,6 +439,8 @@ def best_step(directory: str) -> int | None:
   config = _read(epath.Path(os.path.abspath(directory)) / str(steps[-1]),
                  config=ocp.args.JsonRestore())["config"]
   metric = config.get("best_checkpoint_metric")
+  if not metric:
+    return None
   with _reading_manager(directory, lambda m: float(m[metric]),
                           config.get("best_checkpoint_mode", "max")) as manager:
     return manager.best_step()
