@@ -190,6 +190,11 @@ def test_export_and_average_load_into_predict(straight, tmp_path):
   assert process.returncode == 0, process.stdout + process.stderr
   averaged = os.path.join(workdir, "exports", f"step_{STEPS}_avg2")
   assert os.path.isdir(averaged)
+  # Evaluation uses exports too: by default the newest (the average); a given checkpoint
+  # evaluates to what training logged for it.
+  eval_average = _start("train.py", workdir, "--eval_only")
+  eval_last = _start("train.py", workdir, "--eval_only",
+                     f"--checkpoint={os.path.join(workdir, 'checkpoints', str(STEPS))}")
 
   predictor = Predictor(workdir)                # The average, not the checkpoint of its step.
   assert predictor.path == averaged and predictor.step == STEPS
@@ -201,6 +206,15 @@ def test_export_and_average_load_into_predict(straight, tmp_path):
     assert np.asarray(a).tobytes() == np.asarray(e, np.float32).tobytes()
   lines = ["1 2 3", "4 0", "7"]
   assert len(predictor.translate(lines)) == 3
+
+  code, output = _finish(eval_average)
+  assert code == 0, output
+  assert f"evaluated {averaged} (step {STEPS}, the average of steps [{STEPS - 4}, {STEPS}])" in output
+  code, output = _finish(eval_last)
+  assert code == 0, output
+  logged = [l for l in _metrics(workdir) if "eval/loss" in l][-1]
+  assert logged["step"] == STEPS
+  assert f"eval/loss={logged['eval/loss']:.4f}, eval/accuracy={logged['eval/accuracy']:.4f}" in output
 
   # An export of one checkpoint predicts exactly what that checkpoint does, without the
   # workdir (its config and tokenizer are inside).

@@ -7,6 +7,7 @@ import os
 import time
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -14,6 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from transformer_jax import decoding
+from transformer_jax import checkpoint
 from transformer_jax.checkpoint import CHECKPOINT_DIR, TrainCheckpoints, tokenizer_item
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.sources import make_source
@@ -229,6 +231,37 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     print(f"  source: {src}\n  output: {pred}\n  target: {ref}\n")
   print("final: " + ", ".join(f"{k}={v:.4f}" for k, v in final_metrics.items()))
   return final_metrics
+
+
+def evaluate_saved(config: ml_collections.ConfigDict, workdir: str | None,
+                   path: str | None = None) -> dict[str, float]:
+  """Evaluates saved parameters with the config's evaluation: those at `path` (a checkpoint
+  or an export, e.g. an average), else the workdir's newest, as `predict` picks them."""
+  validate(config)
+  source = make_source(config.data, config.seed)
+  model_cfg = model_config(config, source.vocab.vocab_size)
+  task = Seq2SeqTask(Transformer(model_cfg), config.label_smoothing)
+  first = source.batch("train", 0, config.batch_size)
+  abstract = nn.meta.unbox(jax.eval_shape(task.init_params, jax.random.PRNGKey(0), first))
+  candidates = [path] if path else checkpoint.models(workdir)
+  if not candidates:
+    raise FileNotFoundError(f"{workdir} has no checkpoint or export to evaluate")
+
+  def load(candidate: str) -> tuple[checkpoint.Model, Any]:
+    model = checkpoint.read_model(candidate)
+    if checkpoint.tokenizer_item(model.tokenizer) != tokenizer_item(source.vocab):
+      raise checkpoint.IncompatibleCheckpointError(
+          f"{candidate} was trained with another tokenizer than config.data builds")
+    return model, checkpoint.restore_params(candidate, abstract)
+
+  chosen, (model, params), _ = checkpoint.first_good(candidates, load)
+  metrics, samples = evaluate(config, model_cfg, task, make_eval_step(task), params, source)
+  for src, pred, ref in samples[:config.decode.num_samples]:
+    print(f"  source: {src}\n  output: {pred}\n  target: {ref}\n")
+  averaged = f", the average of steps {model.averaged_steps}" if len(model.averaged_steps) > 1 else ""
+  print(f"evaluated {chosen} (step {model.step}{averaged}): "
+        + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+  return metrics
 
 
 def _check_finite(host_metrics: list[tuple[int, dict]], policy: str) -> list[tuple[int, dict]]:
