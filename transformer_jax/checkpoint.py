@@ -177,9 +177,14 @@ def _check_compatible(path: epath.Path, manifest: dict, saved_config: dict, save
 
 
 # ------------------------------------------------------------------------------ reading
-def _read(path: epath.Path, **items: ocp.args.CheckpointArgs) -> Any:
+def _absolute(path: str | epath.Path) -> epath.Path:
+  """Local paths made absolute (Orbax needs that); URLs such as gs://... as they are."""
+  return epath.Path(path if "://" in str(path) else os.path.abspath(path))
+
+
+def _read(path: str | epath.Path, **items: ocp.args.CheckpointArgs) -> Any:
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-    return checkpointer.restore(path, args=ocp.args.Composite(**items))
+    return checkpointer.restore(_absolute(path), args=ocp.args.Composite(**items))
 
 
 def _abstract(tree: Any) -> Any:
@@ -280,7 +285,7 @@ class TrainCheckpoints:
                save_interval_steps: Iterable[int] = (), final_step: int | None = None,
                keep: int = 3, keep_best: int = 0, best_metric: str = "",
                best_mode: str = "max"):
-    self.directory = epath.Path(os.path.abspath(directory))
+    self.directory = _absolute(directory)
     self.run_config, self.tokenizer = run_config, tokenizer
     self.best_metric = best_metric if keep_best else ""
     policies = ocp.checkpoint_managers
@@ -395,10 +400,10 @@ def export(checkpoint_dir: str, steps: Sequence[int], output: str) -> str:
   steps = sorted(steps)
   if not steps:
     raise ValueError("no checkpoints to export")
-  output_path = epath.Path(os.path.abspath(output))
+  output_path = _absolute(output)
   if output_path.exists():
     raise FileExistsError(f"{output_path} already exists; choose another --output")
-  paths = [epath.Path(os.path.abspath(checkpoint_dir)) / str(s) for s in steps]
+  paths = [_absolute(checkpoint_dir) / str(s) for s in steps]
   newest = _read(paths[-1], manifest=ocp.args.JsonRestore(), config=ocp.args.JsonRestore(),
                  tokenizer=ocp.args.JsonRestore())
   total = None
@@ -425,7 +430,7 @@ def _reading_manager(directory: str, best_fn: Callable[[dict], float] | None = N
   """A manager only used to list steps; it writes nothing (read_only=True would do the same
   but logs a warning each time)."""
   return ocp.CheckpointManager(
-      epath.Path(os.path.abspath(directory)), options=ocp.CheckpointManagerOptions(
+      _absolute(directory), options=ocp.CheckpointManagerOptions(
           create=False, best_fn=best_fn, best_mode=best_mode))
 
 
@@ -441,7 +446,7 @@ def best_step(directory: str) -> int | None:
   steps = checkpoint_steps(directory)
   if not steps:
     return None
-  config = _read(epath.Path(os.path.abspath(directory)) / str(steps[-1]),
+  config = _read(_absolute(directory) / str(steps[-1]),
                  config=ocp.args.JsonRestore())["config"]
   metric = config.get("best_checkpoint_metric")
   if not metric:
