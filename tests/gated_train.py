@@ -10,11 +10,12 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(TESTS), TESTS]
 
 from absl import app  # noqa: E402
 
+from data_wrappers import BatchesWrapper, SourceWrapper  # noqa: E402
 import train  # noqa: E402  (defines train.py's flags)
 from transformer_jax.training import loop  # noqa: E402
 
@@ -23,41 +24,20 @@ GATE_FILE = os.environ["GATE_FILE"]
 OPEN_FILE = os.environ.get("OPEN_FILE")
 
 
-class GatedBatches:
-  def __init__(self, batches):
-    self._batches, self._handed_out = batches, 0
-
-  def __iter__(self):
-    return self
+class GatedBatches(BatchesWrapper):
+  handed_out = 0
 
   def __next__(self):
-    if self._handed_out == GATE_AFTER:
+    if self.handed_out == GATE_AFTER:
       open(GATE_FILE, "w").close()
       while OPEN_FILE is None or not os.path.exists(OPEN_FILE):
         time.sleep(0.02)
-    self._handed_out += 1
-    return next(self._batches)
-
-  def get_state(self):
-    return self._batches.get_state()
-
-  def set_state(self, state):
-    self._batches.set_state(state)
-
-
-class GatedSource:
-  def __init__(self, source):
-    self._source = source
-
-  def __getattr__(self, name):
-    return getattr(self._source, name)
-
-  def train_batches(self, batch_size, start=0):
-    return GatedBatches(self._source.train_batches(batch_size, start))
+    self.handed_out += 1
+    return next(self.batches)
 
 
 _make_source = loop.make_source
-loop.make_source = lambda *args: GatedSource(_make_source(*args))
+loop.make_source = lambda *args: SourceWrapper(_make_source(*args), GatedBatches)
 
 if __name__ == "__main__":
   app.run(train.main)

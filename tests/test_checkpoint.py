@@ -258,12 +258,13 @@ def test_average_of_two_checkpoints_is_their_mean(tmp_path):
 def test_params_that_do_not_fit_the_model_are_refused(tmp_path):
   _save(tmp_path, [1])
   abstract = jax.eval_shape(lambda: _state(0, width=32).params)
-  with pytest.raises(IncompatibleCheckpointError, match=r"dense/bias: saved float32\[64\], model float32\[32\]"):
+  with pytest.raises(IncompatibleCheckpointError,
+                     match=r"dense/bias: saved float32\[64\], model float32\[32\]"):
     checkpoint.restore_params(str(tmp_path / "1"), abstract)
 
 
 def test_export_selects_steps():
-  from transformer_jax.export import select_steps
+  select_steps = checkpoint.select_steps
   assert select_steps([4, 8, 12], "latest", 2, None) == [8, 12]
   assert select_steps([4, 8, 12], "8", 1, None) == [8]
   assert select_steps([4, 8, 12], "best", 2, 8) == [4, 8]

@@ -13,18 +13,17 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from cli_helpers import TIMEOUT, finish as _finish, start
 from transformer_jax import checkpoint
 from transformer_jax.predict import Predictor
 
-TIMEOUT = 600
 STEPS = 12
 TINY = [
     f"--config.num_train_steps={STEPS}", "--config.log_every_steps=2",
@@ -42,21 +41,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 
 
 def _start(script: str, workdir, *extra: str, env: dict | None = None) -> subprocess.Popen:
-  env = {**os.environ, **(env or {}),
-         "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-  return subprocess.Popen([sys.executable, script, *TINY, f"--workdir={workdir}", *extra],
-                          cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT)
-
-
-def _finish(process: subprocess.Popen) -> tuple[int, str]:
-  try:
-    out, _ = process.communicate(timeout=TIMEOUT)
-  except subprocess.TimeoutExpired:
-    process.kill()
-    out, _ = process.communicate()
-    pytest.fail(f"{process.args} timed out:\n{out}")
-  return process.returncode, out
+  return start(script, *TINY, f"--workdir={workdir}", *extra, env=env)
 
 
 def _wait_for(process: subprocess.Popen, *paths) -> None:
@@ -183,11 +168,9 @@ def test_incompatible_config_is_refused_with_the_fields(straight):
 def test_export_and_average_load_into_predict(straight, tmp_path):
   workdir = str(tmp_path / "run")
   shutil.copytree(straight(), workdir)
-  process = subprocess.run(
-      [sys.executable, "-m", "transformer_jax.export", f"--workdir={workdir}", "--average=2"],
-      cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
-      env={**os.environ, "PYTHONPATH": ROOT})
-  assert process.returncode == 0, process.stdout + process.stderr
+  code, output = _finish(start("-m", "transformer_jax.export", f"--workdir={workdir}",
+                               "--average=2"))
+  assert code == 0, output
   averaged = os.path.join(workdir, "exports", f"step_{STEPS}_avg2")
   assert os.path.isdir(averaged)
   # Evaluation uses exports too: by default the newest (the average); a given checkpoint
@@ -209,12 +192,14 @@ def test_export_and_average_load_into_predict(straight, tmp_path):
 
   code, output = _finish(eval_average)
   assert code == 0, output
-  assert f"evaluated {averaged} (step {STEPS}, the average of steps [{STEPS - 4}, {STEPS}])" in output
+  average_of = f"the average of steps [{STEPS - 4}, {STEPS}]"
+  assert f"evaluated {averaged} (step {STEPS}, {average_of})" in output
   code, output = _finish(eval_last)
   assert code == 0, output
   logged = [l for l in _metrics(workdir) if "eval/loss" in l][-1]
   assert logged["step"] == STEPS
-  assert f"eval/loss={logged['eval/loss']:.4f}, eval/accuracy={logged['eval/accuracy']:.4f}" in output
+  loss, accuracy = logged["eval/loss"], logged["eval/accuracy"]
+  assert f"eval/loss={loss:.4f}, eval/accuracy={accuracy:.4f}" in output
 
   # An export of one checkpoint predicts exactly what that checkpoint does, without the
   # workdir (its config and tokenizer are inside).

@@ -27,6 +27,7 @@ import optax
 import pytest
 
 from configs.default import get_config
+from data_wrappers import BatchesWrapper, SourceWrapper
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig
 from transformer_jax.data.synthetic import SyntheticTask
 from transformer_jax.metrics import corpus_bleu, exact_match
@@ -481,36 +482,15 @@ def test_train_and_evaluate_stops_on_nonfinite_loss(tmp_path, monkeypatch):
   bad_step = 5
   real_make_source = loop.make_source
 
-  class PoisonedBatches:
-    def __init__(self, batches):
-      self._batches = batches
-
-    def __iter__(self):
-      return self
-
+  class PoisonedBatches(BatchesWrapper):
     def __next__(self):
-      step = self._batches.get_state()["next_index"] + 1
-      batch = next(self._batches)
+      step = self.batches.get_state()["next_index"] + 1
+      batch = next(self.batches)
       scale = np.nan if step == bad_step else 1.0
       return {**batch, "loss_scale": np.full((len(batch["src"]),), scale, np.float32)}
 
-    def get_state(self):
-      return self._batches.get_state()
-
-    def set_state(self, state):
-      self._batches.set_state(state)
-
-  class PoisonedSource:
-    def __init__(self, source):
-      self._source = source
-
-    def __getattr__(self, name):
-      return getattr(self._source, name)
-
-    def train_batches(self, batch_size, start=0):
-      return PoisonedBatches(self._source.train_batches(batch_size, start))
-
-  monkeypatch.setattr(loop, "make_source", lambda *a: PoisonedSource(real_make_source(*a)))
+  monkeypatch.setattr(loop, "make_source",
+                      lambda *a: SourceWrapper(real_make_source(*a), PoisonedBatches))
   monkeypatch.setattr(loop, "Seq2SeqTask", ScaledLossTask)
   config = tiny_run_config(num_train_steps=12, log_every_steps=100, checkpoint_every_steps=4,
                            eval_every_steps=100)

@@ -220,7 +220,8 @@ def restore_params(path: str, abstract_params: Any | None = None) -> Any:
   path = epath.Path(path)
   manifest = _read(path, manifest=ocp.args.JsonRestore())["manifest"]
   if abstract_params is not None:
-    saved, expected = _without_fingerprints(manifest["leaves"]["params"]), signature(abstract_params)
+    saved = _without_fingerprints(manifest["leaves"]["params"])
+    expected = signature(abstract_params)
     differing = _differing(saved, expected)
     if differing:
       raise IncompatibleCheckpointError(
@@ -273,6 +274,9 @@ class _WithoutMissingMetricsWarning(std_logging.Filter):
     return "did not provide metrics" not in record.getMessage()
 
 
+_MISSING_METRICS_FILTER = _WithoutMissingMetricsWarning()
+
+
 class TrainCheckpoints:
   """W/checkpoints: an Orbax CheckpointManager plus the run's config and tokenizer.
 
@@ -293,7 +297,7 @@ class TrainCheckpoints:
     saves += [policies.SpecificStepsPolicy([final_step])] if final_step else []
     keeps = [policies.LatestN(keep)]
     if self.best_metric:
-      std_logging.getLogger("absl").addFilter(_WithoutMissingMetricsWarning())
+      std_logging.getLogger("absl").addFilter(_MISSING_METRICS_FILTER)  # Added once.
       keeps.append(policies.BestN(get_metric_fn=self._best_value, reverse=best_mode == "min",
                                   n=keep_best, keep_checkpoints_without_metrics=False))
     self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
@@ -393,6 +397,32 @@ class TrainCheckpoints:
 
 
 # ------------------------------------------------------------------------- exports
+def select_steps(available: list[int], step: str, average: int, best: int | None) -> list[int]:
+  """The `average` checkpoints of `available` ending at `step` ('latest', 'best' or a
+  number; `best` is best_step's answer), for `export`; errors name the export CLI's flags."""
+  if not available:
+    raise ValueError("there are no checkpoints to export")
+  if average < 1:
+    raise ValueError(f"--average={average}: must be >= 1")
+  if step == "latest":
+    last = available[-1]
+  elif step == "best":
+    if best is None:
+      raise ValueError("--step=best: no checkpoint has evaluation metrics; train with "
+                       "--config.keep_best_checkpoints=N")
+    last = best
+  elif step.isdigit() and int(step) in available:
+    last = int(step)
+  else:
+    raise ValueError(f"--step={step}: not a checkpoint; the checkpoints are at steps "
+                     f"{available}")
+  chosen = [s for s in available if s <= last][-average:]
+  if len(chosen) < average:
+    raise ValueError(f"--average={average}: only {len(chosen)} checkpoints up to step {last} "
+                     f"exist ({chosen}); keep more with --config.keep_checkpoints")
+  return chosen
+
+
 def export(checkpoint_dir: str, steps: Sequence[int], output: str) -> str:
   """Writes the parameters of checkpoint `steps` (their mean if several: the paper's
   checkpoint averaging, §6.1) with the newest one's config and tokenizer as a params-only

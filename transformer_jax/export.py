@@ -27,31 +27,6 @@ _OUTPUT = flags.DEFINE_string("output", None, "Output directory; default "
                               "W/exports/step_<S>[_avg<N>].")
 
 
-def select_steps(available: list[int], step: str, average: int, best: int | None) -> list[int]:
-  """The `average` checkpoints ending at `step` ('latest', 'best' or a number)."""
-  if not available:
-    raise ValueError("there are no checkpoints to export")
-  if average < 1:
-    raise ValueError(f"--average={average}: must be >= 1")
-  if step == "latest":
-    last = available[-1]
-  elif step == "best":
-    if best is None:
-      raise ValueError("--step=best: no checkpoint has evaluation metrics; train with "
-                       "--config.keep_best_checkpoints=N")
-    last = best
-  elif step.isdigit() and int(step) in available:
-    last = int(step)
-  else:
-    raise ValueError(f"--step={step}: not a checkpoint; the checkpoints are at steps "
-                     f"{available}")
-  chosen = [s for s in available if s <= last][-average:]
-  if len(chosen) < average:
-    raise ValueError(f"--average={average}: only {len(chosen)} checkpoints up to step {last} "
-                     f"exist ({chosen}); keep more with --config.keep_checkpoints")
-  return chosen
-
-
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
   if len(argv) > 1:
@@ -62,7 +37,7 @@ def main(argv):
              f"`python train.py --workdir {_WORKDIR.value}`")
   steps = checkpoint.checkpoint_steps(directory)
   try:
-    chosen = select_steps(steps, _STEP.value, _AVERAGE.value,
+    chosen = checkpoint.select_steps(steps, _STEP.value, _AVERAGE.value,
                           checkpoint.best_step(directory))
     name = f"step_{chosen[-1]}" + (f"_avg{len(chosen)}" if len(chosen) > 1 else "")
     output = _OUTPUT.value or os.path.join(_WORKDIR.value, checkpoint.EXPORT_DIR, name)

@@ -121,8 +121,8 @@ def main(argv):
   try:
     predict(_WORKDIR.value, infile, outfile, _BEAM.value, _ALPHA.value, _BATCH.value,
             _CHECKPOINT.value)
-  except (FileNotFoundError, ValueError, checkpoint.DamagedCheckpointError) as e:  # Bad workdir or input: say what, no trace.
-    sys.exit(f"error: {e}")
+  except (FileNotFoundError, ValueError, checkpoint.DamagedCheckpointError) as e:
+    sys.exit(f"error: {e}")  # Bad workdir, checkpoint or input: say what, no trace.
   finally:
     if infile is not sys.stdin:
       infile.close()

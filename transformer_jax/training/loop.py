@@ -258,7 +258,8 @@ def evaluate_saved(config: ml_collections.ConfigDict, workdir: str | None,
   metrics, samples = evaluate(config, model_cfg, task, make_eval_step(task), params, source)
   for src, pred, ref in samples[:config.decode.num_samples]:
     print(f"  source: {src}\n  output: {pred}\n  target: {ref}\n")
-  averaged = f", the average of steps {model.averaged_steps}" if len(model.averaged_steps) > 1 else ""
+  steps = model.averaged_steps
+  averaged = f", the average of steps {steps}" if len(steps) > 1 else ""
   print(f"evaluated {chosen} (step {model.step}{averaged}): "
         + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
   return metrics
