@@ -30,7 +30,8 @@ TINY = [
     "--config.checkpoint_every_steps=4", "--config.eval_every_steps=100",
     "--config.keep_checkpoints=3", "--config.batch_size=8", "--config.data.max_length=4",
     "--config.data.eval_examples=8", "--config.decode.eval_examples=4",
-    "--config.decode.batch_size=4", "--config.model.d_model=32", "--config.model.num_heads=2",
+    "--config.decode.batch_size=4", "--config.decode.beam_size=1", "--config.model.d_model=32",
+    "--config.model.num_heads=2",
     "--config.model.d_ff=64", "--config.model.num_encoder_layers=1",
     "--config.model.num_decoder_layers=1", "--config.model.max_len=16",
     "--config.model.dropout_rate=0.1",   # Dropout keys must continue too.

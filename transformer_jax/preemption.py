@@ -29,23 +29,31 @@ def _multi_host() -> bool:
 
 
 class PreemptionWatcher:
-  """Context manager: while active, the first SIGTERM/SIGINT is recorded instead of killing
-  the process; a second one acts as usual (a second Ctrl-C interrupts at once)."""
+  """Between start() and stop() (or as a context manager), the first SIGTERM/SIGINT is
+  recorded instead of killing the process; a second one acts as usual (a second Ctrl-C
+  interrupts at once)."""
 
   def __init__(self):
     self.signal_name: str | None = None
     self._previous: dict[int, Any] = {}
 
-  def __enter__(self) -> "PreemptionWatcher":
+  def start(self) -> None:
     # Handlers can only be installed from the main thread (not, e.g., under a test runner
     # thread); elsewhere the watcher still answers JAX's multi-host preemption sync point.
     if not _multi_host() and threading.current_thread() is threading.main_thread():
       for sig in SIGNALS:
         self._previous[sig] = signal.signal(sig, self._handle)
+
+  def stop(self) -> None:
+    """Puts the previous handlers back."""
+    self._restore_handlers()
+
+  def __enter__(self) -> "PreemptionWatcher":
+    self.start()
     return self
 
   def __exit__(self, *exc: Any) -> None:
-    self._restore_handlers()
+    self.stop()
 
   def _restore_handlers(self) -> None:
     for sig, handler in self._previous.items():

@@ -174,61 +174,61 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                   unit="step", dynamic_ncols=True, disable=jax.process_index() != 0)
   preemption = PreemptionWatcher()
   try:
-    with preemption:
-      for step in range(start_step + 1, config.num_train_steps + 1):
-        batch = next(batches)
-        tokens_since_log += task.count_tokens(batch)
-        state, metrics = train_step(state, batch)
-        pending.append((step, metrics))
-        progress.update(1)
-        is_last = step == config.num_train_steps
-        stop = preemption.should_stop(step)
-        save = stop or checkpoints.should_save(step)
-        if step % config.log_every_steps == 0 or is_last or save:
-          host = _check_finite(jax.device_get(pending), config.nonfinite)
-          elapsed = time.perf_counter() - time_since_log
-          summary = {f"train/{k}": float(np.mean([m[k] for _, m in host]))
-                     for k in host[-1][1] if k != "nonfinite"}
-          summary["train/nonfinite_steps"] = float(sum(m["nonfinite"] for _, m in host))
-          summary["perf/tokens_per_sec"] = tokens_since_log / elapsed
-          summary["perf/steps_per_sec"] = len(host) / elapsed
-          writer.write(step, summary)
-          progress.set_postfix(loss=f"{summary['train/loss']:.4f}",
-                               tok_s=f"{summary['perf/tokens_per_sec']:.0f}")
-          pending, tokens_since_log = [], 0
-          time_since_log = time.perf_counter()
-        evaluated = None
-        if (step % config.eval_every_steps == 0 or is_last) and not stop:
-          final_metrics, samples = evaluate(config, model_cfg, task, eval_step, state.params,
-                                            source)
-          writer.write(step, final_metrics)
-          progress.write(f"step {step}: " + ", ".join(f"{k}={v:.4f}"
-                                                      for k, v in final_metrics.items()))
-          evaluated = final_metrics
-        if save:
-          # After the evaluation, so a checkpoint at step s implies all of s's metrics logged.
-          started = time.perf_counter()
-          checkpoints.save(step, state, batches.get_state(), metrics=evaluated)
-          writer.write(step, {"perf/checkpoint_blocking_secs": time.perf_counter() - started})
-        if evaluated is not None or save:
-          time_since_log = time.perf_counter()   # Evaluating and saving are not training.
-        if stop:
-          checkpoints.wait()   # Durable before exiting: the scheduler may kill us soon.
-          progress.write(f"{preemption.signal_name} received: stopped after step {step} and "
-                         f"saved {checkpoints.path(step)}; run the same command to resume.")
-          return {}
+    preemption.start()   # From here SIGTERM/SIGINT stop after the current step.
+    for step in range(start_step + 1, config.num_train_steps + 1):
+      batch = next(batches)
+      tokens_since_log += task.count_tokens(batch)
+      state, metrics = train_step(state, batch)
+      pending.append((step, metrics))
+      progress.update(1)
+      is_last = step == config.num_train_steps
+      stop = preemption.should_stop(step)
+      save = stop or checkpoints.should_save(step)
+      if step % config.log_every_steps == 0 or is_last or save:
+        host = _check_finite(jax.device_get(pending), config.nonfinite)
+        elapsed = time.perf_counter() - time_since_log
+        summary = {f"train/{k}": float(np.mean([m[k] for _, m in host]))
+                   for k in host[-1][1] if k != "nonfinite"}
+        summary["train/nonfinite_steps"] = float(sum(m["nonfinite"] for _, m in host))
+        summary["perf/tokens_per_sec"] = tokens_since_log / elapsed
+        summary["perf/steps_per_sec"] = len(host) / elapsed
+        writer.write(step, summary)
+        progress.set_postfix(loss=f"{summary['train/loss']:.4f}",
+                             tok_s=f"{summary['perf/tokens_per_sec']:.0f}")
+        pending, tokens_since_log = [], 0
+        time_since_log = time.perf_counter()
+      evaluated = None
+      if (step % config.eval_every_steps == 0 or is_last) and not stop:
+        final_metrics, samples = evaluate(config, model_cfg, task, eval_step, state.params,
+                                          source)
+        writer.write(step, final_metrics)
+        progress.write(f"step {step}: " + ", ".join(f"{k}={v:.4f}"
+                                                    for k, v in final_metrics.items()))
+        evaluated = final_metrics
+      if save:
+        # After the evaluation, so a checkpoint at step s implies all of s's metrics logged.
+        started = time.perf_counter()
+        checkpoints.save(step, state, batches.get_state(), metrics=evaluated)
+        writer.write(step, {"perf/checkpoint_blocking_secs": time.perf_counter() - started})
+      if evaluated is not None or save:
+        time_since_log = time.perf_counter()   # Evaluating and saving are not training.
+      if stop:
+        checkpoints.wait()   # Durable before exiting: the scheduler may kill us soon.
+        progress.write(f"{preemption.signal_name} received: stopped after step {step} and "
+                       f"saved {checkpoints.path(step)}; run the same command to resume.")
+        return {}
     if start_step >= config.num_train_steps:
       print(f"already trained to step {start_step} (num_train_steps="
             f"{config.num_train_steps}); evaluating the saved model")
       final_metrics, samples = evaluate(config, model_cfg, task, eval_step, state.params,
                                         source)
   finally:
+    preemption.stop()
     progress.close()
     checkpoints.close()   # Waits for the last save to be committed.
     writer.close()
 
-  for src, pred, ref in samples[:config.decode.num_samples]:
-    print(f"  source: {src}\n  output: {pred}\n  target: {ref}\n")
+  _print_samples(samples, config.decode.num_samples)
   print("final: " + ", ".join(f"{k}={v:.4f}" for k, v in final_metrics.items()))
   return final_metrics
 
@@ -256,13 +256,17 @@ def evaluate_saved(config: ml_collections.ConfigDict, workdir: str | None,
 
   chosen, (model, params), _ = checkpoint.first_good(candidates, load)
   metrics, samples = evaluate(config, model_cfg, task, make_eval_step(task), params, source)
-  for src, pred, ref in samples[:config.decode.num_samples]:
-    print(f"  source: {src}\n  output: {pred}\n  target: {ref}\n")
+  _print_samples(samples, config.decode.num_samples)
   steps = model.averaged_steps
   averaged = f", the average of steps {steps}" if len(steps) > 1 else ""
   print(f"evaluated {chosen} (step {model.step}{averaged}): "
         + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
   return metrics
+
+
+def _print_samples(samples: list[tuple[str, str, str]], count: int) -> None:
+  for src, pred, ref in samples[:count]:
+    print(f"  source: {src}\n  output: {pred}\n  target: {ref}\n")
 
 
 def _check_finite(host_metrics: list[tuple[int, dict]], policy: str) -> list[tuple[int, dict]]:
