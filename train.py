@@ -9,7 +9,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from transformer_jax.training.loop import train_and_evaluate
+from transformer_jax.checkpoint import DamagedCheckpointError, IncompatibleCheckpointError
+from transformer_jax.training.loop import evaluate_saved, train_and_evaluate
 
 # The default config is found next to this file, so `python path/to/train.py` works from any
 # directory; --config=PATH is relative to the current directory as usual.
@@ -28,7 +29,14 @@ except (AttributeError, KeyError) as e:  # ml_collections applies overrides here
            "the config file lists the valid fields")
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Output directory (checkpoints, metrics.jsonl, config.json, vocab); "
-    "defaults to workdirs/<config name>. An existing workdir is resumed.")
+    "defaults to workdirs/<config name>. An existing workdir is resumed from its newest "
+    "good checkpoint. SIGTERM/SIGINT stop after the current step with a checkpoint.")
+_EVAL_ONLY = flags.DEFINE_bool(
+    "eval_only", False, "Do not train: evaluate the workdir's newest export or checkpoint "
+    "(or --checkpoint) with the config's evaluation.")
+_CHECKPOINT = flags.DEFINE_string(
+    "checkpoint", None, "With --eval_only: an export (W/exports/NAME, e.g. an average) or "
+    "checkpoint (W/checkpoints/STEP) directory to evaluate.")
 
 
 def main(argv):
@@ -37,7 +45,22 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])
   config_name = os.path.splitext(os.path.basename(config_path))[0]
-  train_and_evaluate(_CONFIG.value, _WORKDIR.value or os.path.join("workdirs", config_name))
+  workdir = _WORKDIR.value or os.path.join("workdirs", config_name)
+  if _CHECKPOINT.value and not _EVAL_ONLY.value:
+    raise app.UsageError("--checkpoint is for --eval_only; training resumes from the "
+                         "workdir's newest checkpoint")
+  # Checkpoints that cannot be used (and, for --eval_only, a missing one): say what, no trace.
+  expected = (IncompatibleCheckpointError, DamagedCheckpointError)
+  try:
+    if _EVAL_ONLY.value:
+      try:
+        evaluate_saved(_CONFIG.value, workdir, _CHECKPOINT.value)
+      except FileNotFoundError as e:
+        sys.exit(f"error: {e}")
+    else:
+      train_and_evaluate(_CONFIG.value, workdir)
+  except expected as e:
+    sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

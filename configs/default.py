@@ -15,7 +15,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.log_every_steps = 100
   config.eval_every_steps = 1200
   config.checkpoint_every_steps = 600
-  config.keep_checkpoints = 3
+  config.keep_checkpoints = 3          # The most recent ones (paper §6.1 averages the last 5).
+  config.keep_best_checkpoints = 0     # Also keep the N best by best_checkpoint_metric.
+  config.best_checkpoint_metric = "eval/exact_match"
+  config.best_checkpoint_mode = "max"  # "max" or "min" (for eval/loss).
   config.batch_size = 64
   config.grad_accum_steps = 1
   config.label_smoothing = 0.0        # Targets are deterministic; nothing to smooth.

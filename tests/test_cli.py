@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -15,10 +14,9 @@ sys.path.insert(0, ROOT)
 import ml_collections
 import pytest
 
+from cli_helpers import finish as _finish, start as _start
 from transformer_jax.data.sources import make_source
 from transformer_jax.predict import Predictor
-
-TIMEOUT = 600
 
 # A tiny model and run: a few seconds of training on a CPU.
 TINY_OVERRIDES = [
@@ -30,24 +28,6 @@ TINY_OVERRIDES = [
     "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
     "--config.model.max_len=16", "--config.optimizer.warmup_steps=2",
 ]
-
-
-def _start(*args: str) -> subprocess.Popen:
-  env = {**os.environ,
-         "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-  return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def _finish(process: subprocess.Popen) -> tuple[int, str]:
-  """(exit status, stdout + stderr)."""
-  try:
-    out, err = process.communicate(timeout=TIMEOUT)
-  except subprocess.TimeoutExpired:
-    process.kill()
-    out, err = process.communicate()
-    pytest.fail(f"{process.args} timed out:\n{out}\n{err}")
-  return process.returncode, out + err
 
 
 def _run(*args: str) -> tuple[int, str]:

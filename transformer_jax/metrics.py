@@ -30,19 +30,30 @@ def corpus_bleu(predictions: Sequence[str], references: Sequence[str]) -> float:
 
 class MetricWriter:
   """Appends {"step": N, name: value, ...} lines to W/metrics.jsonl and scalar events to
-  W/tensorboard/ (TensorBoard's own event writer; TensorFlow is not needed)."""
+  W/tensorboard/ (TensorBoard's own event writer; TensorFlow is not needed).
 
-  def __init__(self, workdir: str, enabled: bool = True):
+  With `resume_step` (a run restarted from its checkpoint at that step), what was logged
+  after that step is discarded, since those steps are trained again: lines with a larger
+  step are dropped from metrics.jsonl, and a SessionLog.START event at that step makes
+  TensorBoard purge its later events, as it does for a restarted TensorFlow job."""
+
+  def __init__(self, workdir: str, enabled: bool = True, resume_step: int | None = None):
     self.enabled = enabled
     if not enabled:
       return
-    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
     from tensorboard.compat.proto.summary_pb2 import Summary
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
     self._event, self._summary = Event, Summary
     os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    path = os.path.join(workdir, "metrics.jsonl")
+    if resume_step is not None and os.path.exists(path):
+      _drop_lines_after(path, resume_step)
+    self._jsonl = open(path, "a")
     self._events = EventFileWriter(os.path.join(workdir, "tensorboard"))
+    if resume_step is not None:
+      self._events.add_event(Event(wall_time=time.time(), step=int(resume_step),
+                                   session_log=SessionLog(status=SessionLog.START)))
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     if not self.enabled:
@@ -63,3 +74,23 @@ class MetricWriter:
     if self.enabled:
       self._jsonl.close()
       self._events.close()
+
+
+def _line_step(line: str) -> float:
+  try:
+    return json.loads(line)["step"]
+  except (ValueError, KeyError, TypeError):  # A line cut short by a killed process.
+    return float("inf")
+
+
+def _drop_lines_after(path: str, step: int) -> None:
+  """Rewrites a metrics.jsonl without the lines whose step is after `step` (atomically: a
+  crash leaves the old or the new file, never a partial one)."""
+  with open(path) as f:
+    lines = f.readlines()
+  kept = [line for line in lines if _line_step(line) <= step]
+  if len(kept) == len(lines):
+    return
+  with open(path + ".tmp", "w") as f:
+    f.writelines(kept)
+  os.replace(path + ".tmp", path)

@@ -3,13 +3,14 @@
   python -m transformer_jax.predict --workdir W [--input IN] [--output OUT]
       [--beam_size 4] [--alpha 0.6] [--batch_size 64]
 
-Reads W/config.json, W/vocab.json and the latest parameters in W/checkpoints. Input and
-output default to stdin and stdout.
+Loads the workdir's newest model: the highest-step export in W/exports/ or checkpoint in
+W/checkpoints/ (an export wins at the same step; a damaged one is skipped with a warning),
+or the export or checkpoint directory given as --checkpoint. The model's config and
+tokenizer are read from that checkpoint. Input and output default to stdin and stdout.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Iterable, TextIO
@@ -21,40 +22,40 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax import decoding
-from transformer_jax.checkpoint import Checkpointer
+from transformer_jax import checkpoint
 from transformer_jax.config import TransformerConfig
-from transformer_jax.data.vocab import load_tokenizer
 from transformer_jax.inputs import check_inputs
 from transformer_jax.modules.models import Transformer
-from transformer_jax.training.loop import CHECKPOINT_DIR, CONFIG_FILE, VOCAB_FILE
 
 
 class Predictor:
-  """Loads a workdir once and translates batches of text."""
+  """Loads a model once (see the module doc for which) and translates batches of text."""
 
-  def __init__(self, workdir: str):
-    missing = [name for name in (CONFIG_FILE, VOCAB_FILE, CHECKPOINT_DIR)
-               if not os.path.exists(os.path.join(workdir, name))]
-    if not os.path.isdir(workdir):
+  def __init__(self, workdir: str | None = None, checkpoint_path: str | None = None):
+    if checkpoint_path is not None:
+      if not os.path.isdir(checkpoint_path):
+        raise FileNotFoundError(f"checkpoint {checkpoint_path!r} does not exist")
+      candidates = [checkpoint_path]
+    elif workdir is None or not os.path.isdir(workdir):
       raise FileNotFoundError(f"workdir {workdir!r} does not exist; train first with "
                               f"`python train.py --workdir {workdir}`")
-    if missing:
-      raise FileNotFoundError(f"workdir {workdir!r} is incomplete: missing {missing}; "
-                              "was training interrupted before the first checkpoint?")
-    with open(os.path.join(workdir, CONFIG_FILE)) as f:
-      self.run_config = json.load(f)
+    else:
+      candidates = checkpoint.models(workdir)
+      if not candidates:
+        raise FileNotFoundError(f"workdir {workdir!r} has no checkpoint or export; was "
+                                "training interrupted before the first checkpoint?")
+    self.path, (model, self.params), _ = checkpoint.first_good(candidates, self._load)
+    self.step, self.run_config, self.vocab = model.step, model.config, model.tokenizer
     self.model_config = TransformerConfig.from_dict(self.run_config["model"])
-    self.vocab = load_tokenizer(os.path.join(workdir, VOCAB_FILE))
-    checkpointer = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR))
-    if checkpointer.latest_step() is None:
-      raise FileNotFoundError(f"no checkpoint in {os.path.join(workdir, CHECKPOINT_DIR)}")
-    model = Transformer(self.model_config)
+
+  @staticmethod
+  def _load(path: str) -> tuple[checkpoint.Model, object]:
+    model = checkpoint.read_model(path)
+    transformer = Transformer(TransformerConfig.from_dict(model.config["model"]))
     dummy = jnp.ones((1, 1), jnp.int32)
     abstract = nn.meta.unbox(
-        jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), dummy, dummy)))
-    self.step = checkpointer.latest_step()
-    self.params = checkpointer.restore_params(abstract["params"])
-    checkpointer.close()
+        jax.eval_shape(lambda: transformer.init(jax.random.PRNGKey(0), dummy, dummy)))
+    return model, checkpoint.restore_params(path, abstract["params"])
 
   def translate(self, lines: list[str], beam_size: int = 4, alpha: float = 0.6,
                 max_extra_length: int | None = None) -> list[str]:
@@ -86,9 +87,9 @@ def _batches(lines: Iterable[str], size: int) -> Iterable[list[str]]:
     yield batch
 
 
-def predict(workdir: str, infile: TextIO, outfile: TextIO, beam_size: int, alpha: float,
-            batch_size: int) -> int:
-  predictor = Predictor(workdir)
+def predict(workdir: str | None, infile: TextIO, outfile: TextIO, beam_size: int, alpha: float,
+            batch_size: int, checkpoint_path: str | None = None) -> int:
+  predictor = Predictor(workdir, checkpoint_path)
   count = 0
   for batch in _batches(infile, batch_size):
     for line in predictor.translate(batch, beam_size, alpha):
@@ -98,7 +99,10 @@ def predict(workdir: str, infile: TextIO, outfile: TextIO, beam_size: int, alpha
   return count
 
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir to load.", required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir: its newest export or "
+                               "checkpoint is used.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "An export (W/exports/NAME) or checkpoint "
+                                  "(W/checkpoints/STEP) directory to use instead.")
 _INPUT = flags.DEFINE_string("input", "-", "Input file, one example per line ('-': stdin).")
 _OUTPUT = flags.DEFINE_string("output", "-", "Output file ('-': stdout).")
 _BEAM = flags.DEFINE_integer("beam_size", 4, "Beam size (1 = greedy).")
@@ -109,12 +113,16 @@ _BATCH = flags.DEFINE_integer("batch_size", 64, "Lines decoded together.")
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
   del argv
+  if _WORKDIR.value is None and _CHECKPOINT.value is None:
+    sys.exit("error: give --workdir (a training workdir) or --checkpoint (an export or "
+             "checkpoint directory)")
   infile = sys.stdin if _INPUT.value == "-" else open(_INPUT.value)
   outfile = sys.stdout if _OUTPUT.value == "-" else open(_OUTPUT.value, "w")
   try:
-    predict(_WORKDIR.value, infile, outfile, _BEAM.value, _ALPHA.value, _BATCH.value)
-  except (FileNotFoundError, ValueError) as e:  # Bad workdir or input: say what, no trace.
-    sys.exit(f"error: {e}")
+    predict(_WORKDIR.value, infile, outfile, _BEAM.value, _ALPHA.value, _BATCH.value,
+            _CHECKPOINT.value)
+  except (FileNotFoundError, ValueError, checkpoint.DamagedCheckpointError) as e:
+    sys.exit(f"error: {e}")  # Bad workdir, checkpoint or input: say what, no trace.
   finally:
     if infile is not sys.stdin:
       infile.close()

@@ -153,7 +153,8 @@ def abstract(tree: Any) -> Any:
   """Shapes, dtypes and shardings of a tree of arrays: what Orbax restores into (a checkpoint
   saved on any mesh is resharded onto this one)."""
   return jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+      tree)
 
 
 def initialize_distributed(coordinator_address: str = "", num_processes: int = 0,

@@ -5,13 +5,14 @@ whole source, not a copy:
   reverse: 3 1 4 1 5   -> 5 1 4 1 3
   sort:    3 1 4 1 5   -> 1 1 3 4 5
   add:     4 7 + 1 9 5 -> 2 4 2   (decimal addition)
-Batch i of a stream is a pure function of (seed, stream, i), so data position is just the
-step number and a resumed run sees exactly the batches it would have seen.
+Batch i of a stream is a pure function of (seed, stream, i), so the training iterator's
+position is just the index of its next batch (`get_state()` -> {"next_index": i}), and a
+resumed run sees exactly the batches it would have seen.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -80,12 +81,38 @@ class SyntheticTask:
   def batch(self, stream: str, index: int, batch_size: int) -> dict[str, np.ndarray]:
     return self.encode_batch(self.examples(stream, index, batch_size))
 
-  def train_batches(self, batch_size: int, start: int = 0) -> Iterator[dict[str, np.ndarray]]:
-    index = start
-    while True:
-      yield self.batch("train", index, batch_size)
-      index += 1
+  def train_batches(self, batch_size: int, start: int = 0) -> "SyntheticBatches":
+    """The endless training stream from batch `start` on; checkpointable (get/set_state)."""
+    return SyntheticBatches(self, batch_size, start)
 
   def eval_examples(self, count: int) -> list[tuple[str, str]]:
     """Held-out pairs, from a random stream separate from the training stream."""
     return self.examples("eval", 0, count)
+
+
+class SyntheticBatches:
+  """Iterator over a task's training batches whose state is the index of the next batch,
+  with the `get_state()` / `set_state(state)` interface of Grain's DatasetIterator."""
+
+  def __init__(self, task: SyntheticTask, batch_size: int, start: int = 0):
+    self.task, self.batch_size = task, batch_size
+    self.set_state({"next_index": start})
+
+  def __iter__(self) -> "SyntheticBatches":
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch = self.task.batch("train", self._next_index, self.batch_size)
+    self._next_index += 1
+    return batch
+
+  def get_state(self) -> dict[str, Any]:
+    return {"next_index": self._next_index}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    valid = (isinstance(state, dict) and set(state) == {"next_index"}
+             and isinstance(state["next_index"], int) and state["next_index"] >= 0)
+    if not valid:
+      raise ValueError(f"synthetic data iterator state {state!r}: expected "
+                       "{'next_index': <int >= 0>}")
+    self._next_index = state["next_index"]

@@ -7,26 +7,28 @@ import os
 import time
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from tqdm.auto import tqdm
 
-from transformer_jax import decoding, sharding
-from transformer_jax.checkpoint import Checkpointer
+from transformer_jax import checkpoint, decoding, sharding
+from transformer_jax.checkpoint import CHECKPOINT_DIR, TrainCheckpoints, tokenizer_item
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.sources import make_source
 from transformer_jax.inputs import check_inputs
 from transformer_jax.metrics import MetricWriter, corpus_bleu, exact_match
 from transformer_jax.modules.models import Transformer
 from transformer_jax.params import count_params
+from transformer_jax.preemption import PreemptionWatcher
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
 from transformer_jax.training.state import new_train_state
 from transformer_jax.training.steps import NONFINITE_POLICIES, make_eval_step, make_train_step
 from transformer_jax.training.tasks import Seq2SeqTask
 
-CONFIG_FILE, VOCAB_FILE, CHECKPOINT_DIR = "config.json", "vocab.json", "checkpoints"
+CONFIG_FILE, VOCAB_FILE = "config.json", "vocab.json"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -51,6 +53,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.batch_size % jax.process_count():
     raise ValueError(f"config.batch_size={config.batch_size} must be divisible by the "
                      f"number of processes ({jax.process_count()})")
+  if not isinstance(config.keep_best_checkpoints, int) or config.keep_best_checkpoints < 0:
+    raise ValueError(f"config.keep_best_checkpoints={config.keep_best_checkpoints!r}: must be "
+                     "an integer >= 0 (0: keep only the most recent)")
+  if config.best_checkpoint_mode not in ("max", "min"):
+    raise ValueError(f"config.best_checkpoint_mode={config.best_checkpoint_mode!r}: must be "
+                     "'max' or 'min'")
 
 
 def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> TransformerConfig:
@@ -102,16 +110,33 @@ def evaluate(config: Any, model_cfg: TransformerConfig, task: Seq2SeqTask, eval_
   return metrics, list(zip(sources, predictions, references))
 
 
-def _write_run_files(workdir: str, config: Any, model_cfg: TransformerConfig,
-                     vocab: Any) -> None:
+def _resolved_config(config: Any, model_cfg: TransformerConfig) -> dict[str, Any]:
+  resolved = config.to_dict()
+  resolved["model"] = model_cfg.to_dict()
+  return resolved
+
+
+def _write_run_files(workdir: str, resolved: dict[str, Any], vocab: Any) -> None:
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() != 0:    # One writer when hosts share the workdir.
     return
-  resolved = config.to_dict()
-  resolved["model"] = model_cfg.to_dict()
   with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
     json.dump(resolved, f, indent=2, sort_keys=True)
   vocab.save(os.path.join(workdir, VOCAB_FILE))
+
+
+def _make_checkpoints(config: Any, workdir: str, resolved: dict[str, Any],
+                      vocab: Any) -> TrainCheckpoints:
+  """Saves every checkpoint_every_steps and at the end; with keep_best_checkpoints, every
+  evaluation is saved too, so that the best one is among the checkpoints."""
+  every = [config.checkpoint_every_steps]
+  if config.keep_best_checkpoints:
+    every.append(config.eval_every_steps)
+  return TrainCheckpoints(
+      os.path.join(workdir, CHECKPOINT_DIR), resolved, tokenizer_item(vocab),
+      save_interval_steps=every, final_step=config.num_train_steps,
+      keep=config.keep_checkpoints, keep_best=config.keep_best_checkpoints,
+      best_metric=config.best_checkpoint_metric, best_mode=config.best_checkpoint_mode)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
@@ -124,7 +149,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   validate(config)
   source = make_source(config.data, config.seed)
   model_cfg = model_config(config, source.vocab.vocab_size)
-  _write_run_files(workdir, config, model_cfg, source.vocab)
+  resolved = _resolved_config(config, model_cfg)
   model = Transformer(model_cfg)
   task = Seq2SeqTask(model, config.label_smoothing)
 
@@ -142,18 +167,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         f"{jax.device_count()} {jax.default_backend()} devices; workdir: "
         f"{os.path.abspath(workdir)}")
 
-  checkpointer = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), config.keep_checkpoints)
-  if checkpointer.latest_step() is not None:
-    # Restored straight into this run's shardings, whatever mesh the checkpoint was saved on.
-    state = checkpointer.restore(sharding.abstract(state))
-    print(f"resumed from step {int(state.step)}")
+  # Resume before writing anything: a config that cannot continue is refused untouched.
+  checkpoints = _make_checkpoints(config, workdir, resolved, source.vocab)
+  batches = source.train_batches(config.batch_size)
+  # Restored straight into this run's shardings, whatever mesh the checkpoint was saved on.
+  restored = checkpoints.restore(state)
+  if restored is not None:
+    state = restored.state
+    batches.set_state(restored.data_state)
+    print(f"resumed from step {restored.step}")
   start_step = int(state.step)
+  _write_run_files(workdir, resolved, source.vocab)
 
   batch_sharding = sharding.batch_sharding(mesh)
   train_step = make_train_step(task, optimizer, schedule, config.grad_accum_steps,
                                state_sharding, batch_sharding)
   eval_step = make_eval_step(task, state_sharding.params, batch_sharding)
-  writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
+  # Lines after the resumed step describe training that is being redone: dropped.
+  writer = MetricWriter(workdir, enabled=jax.process_index() == 0, resume_step=start_step)
   final_metrics: dict[str, float] = {}
   samples: list[tuple[str, str, str]] = []
 
@@ -161,9 +192,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   tokens_since_log, time_since_log = 0, time.perf_counter()
   progress = tqdm(total=config.num_train_steps, initial=start_step, desc="train",
                   unit="step", dynamic_ncols=True, disable=jax.process_index() != 0)
-  batches = source.train_batches(config.batch_size, start=start_step)
   rows = sharding.local_rows(config.batch_size)
+  preemption = PreemptionWatcher()
   try:
+    preemption.start()   # From here SIGTERM/SIGINT stop after the current step.
     for step in range(start_step + 1, config.num_train_steps + 1):
       local = {k: v[rows] for k, v in next(batches).items()}   # this host's share
       tokens_since_log += task.count_tokens(local) * jax.process_count()
@@ -171,7 +203,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       pending.append((step, metrics))
       progress.update(1)
       is_last = step == config.num_train_steps
-      if step % config.log_every_steps == 0 or is_last or step % config.checkpoint_every_steps == 0:
+      stop = preemption.should_stop(step)
+      save = stop or checkpoints.should_save(step)
+      if step % config.log_every_steps == 0 or is_last or save:
         host = _check_finite(jax.device_get(pending), config.nonfinite)
         elapsed = time.perf_counter() - time_since_log
         summary = {f"train/{k}": float(np.mean([m[k] for _, m in host]))
@@ -184,31 +218,83 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                              tok_s=f"{summary['perf/tokens_per_sec']:.0f}")
         pending, tokens_since_log = [], 0
         time_since_log = time.perf_counter()
-      if step % config.checkpoint_every_steps == 0 or is_last:
-        checkpointer.save(state, force=is_last)
-      if step % config.eval_every_steps == 0 or is_last:
+      evaluated = None
+      if (step % config.eval_every_steps == 0 or is_last) and not stop:
         final_metrics, samples = evaluate(config, model_cfg, task, eval_step, state.params,
                                           source, mesh)
         writer.write(step, final_metrics)
         progress.write(f"step {step}: " + ", ".join(f"{k}={v:.4f}"
                                                     for k, v in final_metrics.items()))
-        time_since_log = time.perf_counter()   # Evaluation time is not training time.
+        evaluated = final_metrics
+      if save:
+        # After the evaluation, so a checkpoint at step s implies all of s's metrics logged.
+        started = time.perf_counter()
+        checkpoints.save(step, state, batches.get_state(), metrics=evaluated)
+        writer.write(step, {"perf/checkpoint_blocking_secs": time.perf_counter() - started})
+      if evaluated is not None or save:
+        time_since_log = time.perf_counter()   # Evaluating and saving are not training.
+      if stop:
+        checkpoints.wait()   # Durable before exiting: the scheduler may kill us soon.
+        progress.write(f"{preemption.signal_name} received: stopped after step {step} and "
+                       f"saved {checkpoints.path(step)}; run the same command to resume.")
+        return {}
     if start_step >= config.num_train_steps:
       print(f"already trained to step {start_step} (num_train_steps="
             f"{config.num_train_steps}); evaluating the saved model")
       final_metrics, samples = evaluate(config, model_cfg, task, eval_step, state.params,
                                         source, mesh)
   finally:
+    preemption.stop()
     progress.close()
-    checkpointer.wait()
-    checkpointer.close()
+    checkpoints.close()   # Waits for the last save to be committed.
     writer.close()
 
   if jax.process_index() == 0:
-    for src, pred, ref in samples[:config.decode.num_samples]:
-      print(f"  source: {src}\n  output: {pred}\n  target: {ref}\n")
+    _print_samples(samples, config.decode.num_samples)
     print("final: " + ", ".join(f"{k}={v:.4f}" for k, v in final_metrics.items()))
   return final_metrics
+
+
+def evaluate_saved(config: ml_collections.ConfigDict, workdir: str | None,
+                   path: str | None = None) -> dict[str, float]:
+  """Evaluates saved parameters with the config's evaluation: those at `path` (a checkpoint
+  or an export, e.g. an average), else the workdir's newest, as `predict` picks them."""
+  validate(config)
+  source = make_source(config.data, config.seed)
+  model_cfg = model_config(config, source.vocab.vocab_size)
+  task = Seq2SeqTask(Transformer(model_cfg), config.label_smoothing)
+  first = source.batch("train", 0, config.batch_size)
+  boxed = jax.eval_shape(task.init_params, jax.random.PRNGKey(0), first)
+  mesh = sharding.make_mesh(config.mesh.to_dict())
+  params_sharding = sharding.shardings_for(boxed, mesh)
+  abstract = jax.tree_util.tree_map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      nn.meta.unbox(boxed), params_sharding)     # restored straight onto the mesh
+  candidates = [path] if path else checkpoint.models(workdir)
+  if not candidates:
+    raise FileNotFoundError(f"{workdir} has no checkpoint or export to evaluate")
+
+  def load(candidate: str) -> tuple[checkpoint.Model, Any]:
+    model = checkpoint.read_model(candidate)
+    if checkpoint.tokenizer_item(model.tokenizer) != tokenizer_item(source.vocab):
+      raise checkpoint.IncompatibleCheckpointError(
+          f"{candidate} was trained with another tokenizer than config.data builds")
+    return model, checkpoint.restore_params(candidate, abstract)
+
+  chosen, (model, params), _ = checkpoint.first_good(candidates, load)
+  eval_step = make_eval_step(task, params_sharding, sharding.batch_sharding(mesh))
+  metrics, samples = evaluate(config, model_cfg, task, eval_step, params, source, mesh)
+  _print_samples(samples, config.decode.num_samples)
+  steps = model.averaged_steps
+  averaged = f", the average of steps {steps}" if len(steps) > 1 else ""
+  print(f"evaluated {chosen} (step {model.step}{averaged}): "
+        + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+  return metrics
+
+
+def _print_samples(samples: list[tuple[str, str, str]], count: int) -> None:
+  for src, pred, ref in samples[:count]:
+    print(f"  source: {src}\n  output: {pred}\n  target: {ref}\n")
 
 
 def _check_finite(host_metrics: list[tuple[int, dict]], policy: str) -> list[tuple[int, dict]]:
