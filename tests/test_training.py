@@ -487,13 +487,25 @@ def test_train_and_evaluate_stops_on_nonfinite_loss(tmp_path, monkeypatch):
     def __getattr__(self, name):
       return getattr(self._source, name)
 
-    def train_batches(self, batch_size, start=0):
-      for step, batch in enumerate(self._source.train_batches(batch_size, start), start + 1):
-        scale = np.nan if step == bad_step else 1.0
-        yield {**batch, "loss_scale": np.full((batch_size,), scale, np.float32)}
+    def train_iterator(self, batch_size):
+      return PoisonedIterator(self._source.train_iterator(batch_size))
+
+  class PoisonedIterator:
+    def __init__(self, iterator):
+      self._iterator, self.step = iterator, 0
+
+    def __getattr__(self, name):
+      return getattr(self._iterator, name)
+
+    def __next__(self):
+      self.step += 1
+      batch = next(self._iterator)
+      scale = np.nan if self.step == bad_step else 1.0
+      return {**batch, "loss_scale": np.full((len(batch["src"]),), scale, np.float32)}
 
   monkeypatch.setattr(loop, "make_source", lambda *a: PoisonedSource(real_make_source(*a)))
-  monkeypatch.setattr(loop, "Seq2SeqTask", ScaledLossTask)
+  monkeypatch.setattr(loop, "make_task", lambda kind, cfg, **kw: ScaledLossTask(
+      Transformer(cfg), kw["label_smoothing"], kw["tokenizer"], kw["decode"]))
   config = tiny_run_config(num_train_steps=12, log_every_steps=100, checkpoint_every_steps=4,
                            eval_every_steps=100)
   workdir = str(tmp_path / "nan")
@@ -541,8 +553,11 @@ def test_synthetic_batches_are_a_function_of_seed_and_index():
   assert a.examples("train", 3, 16) != a.examples("train", 4, 16)
   assert a.examples("train", 3, 16) != SyntheticTask("add", 1, 4, seed=8).examples("train", 3, 16)
   assert a.eval_examples(16) != a.examples("train", 0, 16)      # Separate streams.
-  it = a.train_batches(16, start=3)
+  it = a.train_iterator(16)
+  np.testing.assert_array_equal(next(it)["src"], a.batch("train", 0, 16)["src"])
+  it.set_state({"index": 3})                                    # The state is the position.
   np.testing.assert_array_equal(next(it)["src"], a.batch("train", 3, 16)["src"])
+  assert it.get_state() == {"index": 4}
   np.testing.assert_array_equal(next(it)["src"], a.batch("train", 4, 16)["src"])
 
 

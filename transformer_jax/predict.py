@@ -3,7 +3,9 @@
   python -m transformer_jax.predict --workdir W [--input IN] [--output OUT]
       [--beam_size 4] [--alpha 0.6] [--batch_size 64]
 
-Reads W/config.json, W/vocab.json and the latest parameters in W/checkpoints. Input and
+Translation: text in, text out. Classification: text in, label out. Tagging: space-separated
+words in, one tag per word out. Reads W/config.json, the tokenizer (W/vocab.json), the
+class or tag names (W/labels.json) and the latest parameters in W/checkpoints. Input and
 output default to stdin and stdout.
 """
 
@@ -17,20 +19,19 @@ from typing import Iterable, TextIO
 from absl import app, flags, logging
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from transformer_jax import decoding
 from transformer_jax.checkpoint import Checkpointer
 from transformer_jax.config import TransformerConfig
-from transformer_jax.data.vocab import load_tokenizer
-from transformer_jax.inputs import check_inputs
-from transformer_jax.modules.models import Transformer
+from transformer_jax.data import pipeline
+from transformer_jax.data.text_data import TARGET_VOCAB_FILE, load_labels
+from transformer_jax.data.tokenizer import load_tokenizer
+from transformer_jax.inputs import InputError
 from transformer_jax.training.loop import CHECKPOINT_DIR, CONFIG_FILE, VOCAB_FILE
+from transformer_jax.training.tasks import make_task
 
 
 class Predictor:
-  """Loads a workdir once and translates batches of text."""
+  """Loads a workdir once and predicts batches of lines."""
 
   def __init__(self, workdir: str):
     missing = [name for name in (CONFIG_FILE, VOCAB_FILE, CHECKPOINT_DIR)
@@ -43,36 +44,68 @@ class Predictor:
                               "was training interrupted before the first checkpoint?")
     with open(os.path.join(workdir, CONFIG_FILE)) as f:
       self.run_config = json.load(f)
+    self.kind = self.run_config.get("task", "seq2seq")
     self.model_config = TransformerConfig.from_dict(self.run_config["model"])
     self.vocab = load_tokenizer(os.path.join(workdir, VOCAB_FILE))
+    target_path = os.path.join(workdir, TARGET_VOCAB_FILE)
+    target_vocab = load_tokenizer(target_path) if os.path.exists(target_path) else self.vocab
+    self.labels = load_labels(workdir)
+    if self.kind != "seq2seq" and not self.labels:
+      raise FileNotFoundError(f"workdir {workdir!r} has no labels.json for its {self.kind} "
+                              "model")
+    self.task = make_task(self.kind, self.model_config, labels=self.labels,
+                          tokenizer=target_vocab, pooling=self.run_config.get("pooling", "mean"))
+    self.featurizer = pipeline.Featurizer(self.kind, self.vocab, target_vocab)
     checkpointer = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR))
     if checkpointer.latest_step() is None:
       raise FileNotFoundError(f"no checkpoint in {os.path.join(workdir, CHECKPOINT_DIR)}")
-    model = Transformer(self.model_config)
-    dummy = jnp.ones((1, 1), jnp.int32)
-    abstract = nn.meta.unbox(
-        jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), dummy, dummy)))
+    abstract = nn.meta.unbox(jax.eval_shape(lambda: self.task.init_params(jax.random.PRNGKey(0))))
     self.step = checkpointer.latest_step()
-    self.params = checkpointer.restore_params(abstract["params"])
+    self.params = checkpointer.restore_params(abstract)
     checkpointer.close()
+
+  def _record(self, index: int, line: str) -> dict:
+    if self.kind == "seq2seq":
+      return {"index": index, "source": line, "target": ""}
+    if self.kind == "classification":
+      return {"index": index, "text": line, "label": 0}
+    words = line.split()
+    return {"index": index, "words": words, "tags": [0] * len(words)}
+
+  def predict_lines(self, lines: list[str], beam_size: int = 4, alpha: float = 0.6,
+                    max_extra_length: int | None = None) -> list[str]:
+    """One output line per input line: a translation, a label, or space-separated tags.
+    Lines are grouped in length buckets, so each bucket shape compiles once."""
+    if not lines:
+      return []
+    records = [self._record(i, line) for i, line in enumerate(lines)]
+    max_len = self.model_config.max_len
+    for record in records:
+      length = pipeline.example_length(self.kind, self.featurizer(record))
+      if length > max_len:
+        raise InputError(f"input line {record['index'] + 1}: {length} tokens exceed the "
+                         f"model's max_len={max_len}; shorten or split it")
+    if max_extra_length is None:
+      max_extra_length = int(self.run_config.get("decode", {}).get("max_extra_length", 50))
+    batches, _ = pipeline.eval_batches(records, self.featurizer, batch_size=len(lines),
+                                       max_length=max_len)
+    outputs: list[str] = [""] * len(lines)
+    for batch in batches:
+      if self.kind == "seq2seq":
+        predicted = self.task.predict(self.params, batch.arrays, beam_size, alpha,
+                                      max_extra_length)
+      else:
+        predicted = self.task.predict(self.params, batch.arrays)
+      for record, output in zip(batch.records, predicted):
+        outputs[record["index"]] = output if isinstance(output, str) else " ".join(output)
+    return outputs
 
   def translate(self, lines: list[str], beam_size: int = 4, alpha: float = 0.6,
                 max_extra_length: int | None = None) -> list[str]:
-    """Decodes each line; all lines of a call are padded to the longest one."""
-    if not lines:
-      return []
-    encoded = [self.vocab.encode(line) for line in lines]
-    width = max(1, max(len(e) for e in encoded))
-    ids = np.zeros((len(lines), width), np.int32)
-    for row, e in enumerate(encoded):
-      ids[row, :len(e)] = e
-    ids, _ = check_inputs(self.model_config, ids)
-    if max_extra_length is None:
-      max_extra_length = int(self.run_config.get("decode", {}).get("max_extra_length", 50))
-    max_length = min(width + 1 + max_extra_length, self.model_config.max_len)
-    out = decoding.generate(self.model_config, self.params, ids, beam_size=beam_size,
-                            alpha=alpha, max_length=max_length)
-    return [self.vocab.decode(decoding.strip_special(row)) for row in out]
+    if self.kind != "seq2seq":
+      raise ValueError(f"translate needs a seq2seq model; this workdir holds a {self.kind} "
+                       "model (use predict_lines)")
+    return self.predict_lines(lines, beam_size, alpha, max_extra_length)
 
 
 def _batches(lines: Iterable[str], size: int) -> Iterable[list[str]]:
@@ -91,7 +124,7 @@ def predict(workdir: str, infile: TextIO, outfile: TextIO, beam_size: int, alpha
   predictor = Predictor(workdir)
   count = 0
   for batch in _batches(infile, batch_size):
-    for line in predictor.translate(batch, beam_size, alpha):
+    for line in predictor.predict_lines(batch, beam_size, alpha):
       outfile.write(line + "\n")
       count += 1
   outfile.flush()

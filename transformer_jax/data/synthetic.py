@@ -5,17 +5,16 @@ whole source, not a copy:
   reverse: 3 1 4 1 5   -> 5 1 4 1 3
   sort:    3 1 4 1 5   -> 1 1 3 4 5
   add:     4 7 + 1 9 5 -> 2 4 2   (decimal addition)
-Batch i of a stream is a pure function of (seed, stream, i), so data position is just the
-step number and a resumed run sees exactly the batches it would have seen.
+Batch i of a stream is a pure function of (seed, stream, i), so the data position is just
+the batch index and a resumed run sees exactly the batches it would have seen.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import numpy as np
 
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID
+from transformer_jax.data.pipeline import EvalBatch
 from transformer_jax.data.vocab import SymbolVocab
 
 TASKS = ("reverse", "sort", "add")
@@ -28,7 +27,11 @@ def make_vocab() -> SymbolVocab:
 
 
 class SyntheticTask:
-  """Generates (source text, target text) pairs and padded id batches for one task."""
+  """Generates (source text, target text) pairs and padded id batches for one task. Offers
+  the trainer's data interface (see data/sources.py): fixed-width batches, no packing."""
+
+  kind = "seq2seq"
+  labels = None
 
   def __init__(self, task: str, min_length: int, max_length: int, seed: int):
     if task not in TASKS:
@@ -38,6 +41,8 @@ class SyntheticTask:
                        "1 <= min_length <= max_length")
     self.task, self.min_length, self.max_length, self.seed = task, min_length, max_length, seed
     self.vocab = make_vocab()
+    self.tokenizer = self.target_tokenizer = self.vocab
+    self.summary = f"synthetic task {task!r}, lengths {min_length}-{max_length}"
     # Fixed array widths: source, and target + EOS.
     if task == "add":
       self.src_length = 2 * max_length + 1
@@ -80,12 +85,48 @@ class SyntheticTask:
   def batch(self, stream: str, index: int, batch_size: int) -> dict[str, np.ndarray]:
     return self.encode_batch(self.examples(stream, index, batch_size))
 
-  def train_batches(self, batch_size: int, start: int = 0) -> Iterator[dict[str, np.ndarray]]:
-    index = start
-    while True:
-      yield self.batch("train", index, batch_size)
-      index += 1
-
   def eval_examples(self, count: int) -> list[tuple[str, str]]:
     """Held-out pairs, from a random stream separate from the training stream."""
     return self.examples("eval", 0, count)
+
+  def train_iterator(self, batch_size: int) -> "SyntheticIterator":
+    return SyntheticIterator(self, batch_size)
+
+  def eval_batches(self, split: str, batch_size: int, limit: int) -> list[EvalBatch]:
+    """`limit` held-out pairs in batches of `batch_size` rows (the last padded)."""
+    if split != "eval":
+      raise ValueError(f"synthetic data has one held-out split, 'eval', not {split!r}")
+    pairs = self.eval_examples(limit)
+    batches = []
+    for start in range(0, len(pairs), batch_size):
+      chunk = pairs[start:start + batch_size]
+      arrays = self.encode_batch(chunk + [("", "")] * (batch_size - len(chunk)))
+      batches.append(EvalBatch(arrays, [{"source": s, "target": t} for s, t in chunk]))
+    return batches
+
+
+class SyntheticIterator:
+  """Endless training batches; the state is the index of the next batch."""
+
+  def __init__(self, task: SyntheticTask, batch_size: int):
+    self._task, self._batch_size, self._index = task, batch_size, 0
+
+  def __iter__(self) -> "SyntheticIterator":
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch = self._task.batch("train", self._index, self._batch_size)
+    self._index += 1
+    return batch
+
+  def get_state(self) -> dict:
+    return {"index": self._index}
+
+  def set_state(self, state: dict) -> None:
+    self._index = int(state["index"])
+
+  def stats(self) -> dict[str, int]:
+    return {}
+
+  def close(self) -> None:
+    pass

@@ -13,20 +13,19 @@ import ml_collections
 import numpy as np
 from tqdm.auto import tqdm
 
-from transformer_jax import decoding
 from transformer_jax.checkpoint import Checkpointer
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.sources import make_source
-from transformer_jax.inputs import check_inputs
-from transformer_jax.metrics import MetricWriter, corpus_bleu, exact_match
-from transformer_jax.modules.models import Transformer
+from transformer_jax.data.text_data import LABELS_FILE, VOCAB_FILE
+from transformer_jax.inputs import check_token_ids
+from transformer_jax.metrics import MetricWriter
 from transformer_jax.params import count_params
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
 from transformer_jax.training.state import TrainState, create_train_state
 from transformer_jax.training.steps import NONFINITE_POLICIES, make_eval_step, make_train_step
-from transformer_jax.training.tasks import Seq2SeqTask
+from transformer_jax.training.tasks import make_task
 
-CONFIG_FILE, VOCAB_FILE, CHECKPOINT_DIR = "config.json", "vocab.json", "checkpoints"
+CONFIG_FILE, CHECKPOINT_DIR = "config.json", "checkpoints"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -50,77 +49,75 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.decode.beam_size={config.decode.beam_size}: must be >= 1")
 
 
-def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> TransformerConfig:
-  return TransformerConfig.from_dict({**config.model.to_dict(), "vocab_size": vocab_size})
+def model_config(config: ml_collections.ConfigDict, data: Any) -> TransformerConfig:
+  """The config's model fields with the vocabulary sizes of the data's tokenizers."""
+  values = {**config.model.to_dict(), "vocab_size": data.tokenizer.vocab_size}
+  if data.target_tokenizer is not data.tokenizer:
+    values["target_vocab_size"] = data.target_tokenizer.vocab_size
+  return TransformerConfig.from_dict(values)
 
 
-def _decode_texts(model_cfg: TransformerConfig, params: Any, source: Any, vocab: Any,
-                  sources: list[str], decode_cfg: Any) -> list[str]:
-  """Beam-search `sources` in fixed-shape batches (the last one padded) and detokenize."""
-  batch_size = decode_cfg.batch_size
-  outputs = []
-  for start in range(0, len(sources), batch_size):
-    chunk = sources[start:start + batch_size]
-    ids = np.zeros((batch_size, source.src_length), np.int32)
-    for row, text in enumerate(chunk):
-      encoded = vocab.encode(text)
-      ids[row, :len(encoded)] = encoded
-    ids, _ = check_inputs(model_cfg, ids)
-    out = decoding.generate(model_cfg, params, ids, beam_size=decode_cfg.beam_size,
-                            alpha=decode_cfg.alpha,
-                            max_length=source.tgt_length + decode_cfg.max_extra_length)
-    outputs += [vocab.decode(decoding.strip_special(row)) for row in out[:len(chunk)]]
-  return outputs
+def build_task(config: Any, model_cfg: TransformerConfig, data: Any) -> Any:
+  return make_task(data.kind, model_cfg, label_smoothing=config.label_smoothing,
+                   labels=data.labels, tokenizer=data.target_tokenizer, decode=config.decode,
+                   pooling=config.get("pooling", "mean"))
 
 
-def evaluate(config: Any, model_cfg: TransformerConfig, task: Seq2SeqTask, eval_step: Any,
-             params: Any, source: Any) -> tuple[dict[str, float], list[tuple[str, str, str]]]:
-  """Teacher-forced loss/accuracy on held-out pairs, then beam-search exact match and BLEU."""
-  pairs = source.eval_examples(config.data.eval_examples)
-  totals: dict[str, float] = {}
-  for start in range(0, len(pairs), config.batch_size):
-    chunk = pairs[start:start + config.batch_size]
-    chunk = chunk + [("", "")] * (config.batch_size - len(chunk))   # all-padding rows
-    sums = jax.device_get(eval_step(params, source.encode_batch(chunk)))
-    for k, v in sums.items():
-      totals[k] = totals.get(k, 0.0) + float(v)
-  weight = max(totals["weight"], 1.0)
-  metrics = {"eval/loss": totals["loss"] / weight, "eval/accuracy": totals["correct"] / weight,
-             "eval/perplexity": float(np.exp(totals["nll"] / weight))}
-
-  decode_pairs = pairs[:config.decode.eval_examples]
-  sources = [s for s, _ in decode_pairs]
-  references = [t for _, t in decode_pairs]
-  predictions = _decode_texts(model_cfg, params, source, source.vocab, sources, config.decode)
-  metrics["eval/exact_match"] = exact_match(predictions, references)
-  metrics["eval/bleu"] = corpus_bleu(predictions, references)
-  return metrics, list(zip(sources, predictions, references))
+def _check_batch(model_cfg: TransformerConfig, batch: dict[str, np.ndarray], what: str) -> None:
+  """Token ids and lengths against the model: ids from the tokenizers are in range by
+  construction, but a model max_len below the data's lengths is caught here, by name."""
+  limits = {"src": model_cfg.vocab_size, "tgt_in": model_cfg.tgt_vocab_size,
+            "tokens": model_cfg.vocab_size}
+  for key, vocab_size in limits.items():
+    if key in batch:
+      check_token_ids(batch[key], vocab_size, model_cfg.max_len, f"{what}, {key}")
 
 
-def _write_run_files(workdir: str, config: Any, model_cfg: TransformerConfig,
-                     vocab: Any) -> None:
+def _eval_set(data: Any, split: str, config: Any, model_cfg: TransformerConfig,
+              limit: int = 0) -> list:
+  batches = data.eval_batches(split, config.decode.batch_size, limit)
+  for batch in batches:
+    _check_batch(model_cfg, batch.arrays, f"{split} data")
+  return batches
+
+
+def evaluate(task: Any, params: Any, batches: list, eval_step: Any,
+             prefix: str = "eval") -> tuple[dict[str, float], list[tuple[str, str, str]]]:
+  metrics, samples = task.evaluate(params, batches, eval_step)
+  return {f"{prefix}/{k}": v for k, v in metrics.items()}, samples
+
+
+def _write_run_files(workdir: str, config: Any, model_cfg: TransformerConfig) -> None:
   os.makedirs(workdir, exist_ok=True)
   resolved = config.to_dict()
   resolved["model"] = model_cfg.to_dict()
   with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
     json.dump(resolved, f, indent=2, sort_keys=True)
-  vocab.save(os.path.join(workdir, VOCAB_FILE))
+
+
+def _fast_forward(batches: Any, steps: int) -> None:
+  """Moves a fresh training iterator to the data position after `steps` batches by reading
+  them (the pipeline is deterministic, so this lands exactly where the run stopped)."""
+  for _ in range(steps):
+    next(batches)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains (resuming from W/checkpoints if present), evaluates, and returns the final eval
   metrics."""
   validate(config)
-  source = make_source(config.data, config.seed)
-  model_cfg = model_config(config, source.vocab.vocab_size)
-  _write_run_files(workdir, config, model_cfg, source.vocab)
-  model = Transformer(model_cfg)
-  task = Seq2SeqTask(model, config.label_smoothing)
+  os.makedirs(workdir, exist_ok=True)
+  data = make_source(config, workdir)      # Trains or reloads the tokenizer in the workdir.
+  print(f"data: {data.summary}")
+  model_cfg = model_config(config, data)
+  _write_run_files(workdir, config, model_cfg)
+  task = build_task(config, model_cfg, data)
+  eval_batches = _eval_set(data, config.data.get("eval_split", "eval"), config, model_cfg,
+                           config.data.eval_examples)
 
   schedule = make_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
   optimizer = make_optimizer(config.optimizer, schedule)
-  first = source.batch("train", 0, config.batch_size)
-  params = task.init_params(jax.random.PRNGKey(config.seed), first)
+  params = task.init_params(jax.random.PRNGKey(config.seed))
   state = create_train_state(params, optimizer, config.seed)
   print(f"model: {count_params(state.params):,} parameters; workdir: {os.path.abspath(workdir)}")
 
@@ -141,10 +138,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   tokens_since_log, time_since_log = 0, time.perf_counter()
   progress = tqdm(total=config.num_train_steps, initial=start_step, desc="train",
                   unit="step", dynamic_ncols=True, disable=jax.process_index() != 0)
-  batches = source.train_batches(config.batch_size, start=start_step)
+  batches = data.train_iterator(config.batch_size)
+  _fast_forward(batches, start_step)
   try:
     for step in range(start_step + 1, config.num_train_steps + 1):
       batch = next(batches)
+      if step == start_step + 1:
+        _check_batch(model_cfg, batch, "training data")
       tokens_since_log += task.count_tokens(batch)
       state, metrics = train_step(state, batch)
       pending.append((step, metrics))
@@ -158,6 +158,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         summary["train/nonfinite_steps"] = float(sum(m["nonfinite"] for _, m in host))
         summary["perf/tokens_per_sec"] = tokens_since_log / elapsed
         summary["perf/steps_per_sec"] = len(host) / elapsed
+        summary.update(batches.stats())
         writer.write(step, summary)
         progress.set_postfix(loss=f"{summary['train/loss']:.4f}",
                              tok_s=f"{summary['perf/tokens_per_sec']:.0f}")
@@ -166,8 +167,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if step % config.checkpoint_every_steps == 0 or is_last:
         checkpointer.save(state, force=is_last)
       if step % config.eval_every_steps == 0 or is_last:
-        final_metrics, samples = evaluate(config, model_cfg, task, eval_step, state.params,
-                                          source)
+        final_metrics, samples = evaluate(task, state.params, eval_batches, eval_step)
         writer.write(step, final_metrics)
         progress.write(f"step {step}: " + ", ".join(f"{k}={v:.4f}"
                                                     for k, v in final_metrics.items()))
@@ -175,9 +175,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if start_step >= config.num_train_steps:
       print(f"already trained to step {start_step} (num_train_steps="
             f"{config.num_train_steps}); evaluating the saved model")
-      final_metrics, samples = evaluate(config, model_cfg, task, eval_step, state.params,
-                                        source)
+      final_metrics, samples = evaluate(task, state.params, eval_batches, eval_step)
+    test_split = config.data.get("test_split", "")
+    if test_split:
+      test_metrics, samples = evaluate(task, state.params,
+                                       _eval_set(data, test_split, config, model_cfg),
+                                       eval_step, prefix="test")
+      writer.write(max(start_step, config.num_train_steps), test_metrics)
+      final_metrics.update(test_metrics)
   finally:
+    batches.close()
     progress.close()
     checkpointer.wait()
     checkpointer.close()
@@ -185,6 +192,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   for src, pred, ref in samples[:config.decode.num_samples]:
     print(f"  source: {src}\n  output: {pred}\n  target: {ref}\n")
+  if batches.stats():
+    print("data read for training: " + ", ".join(f"{k[5:]}={v:,}"
+                                                 for k, v in batches.stats().items()))
   print("final: " + ", ".join(f"{k}={v:.4f}" for k, v in final_metrics.items()))
   return final_metrics
 
