@@ -226,3 +226,71 @@ def test_seq2seq_on_parallel_files_trains_packed_resumes_and_predicts(tmp_path):
   outputs = predictor.predict_lines(["eins zwei", "", "neun acht sieben"], beam_size=2)
   assert len(outputs) == 3 and all(isinstance(o, str) for o in outputs)
   assert predictor.predict_lines(["eins zwei"], beam_size=2) == outputs[:1]  # Batch-invariant.
+
+
+from configs import conll2003, sst2                             # noqa: E402
+
+
+def _shrink(config, steps: int, **data):
+  config.update(dict(num_train_steps=steps, log_every_steps=steps // 2,
+                     eval_every_steps=steps, checkpoint_every_steps=steps, batch_size=4))
+  config.data.update(dict(prefetch=1, max_length=32, eval_max_length=32, **data))
+  config.model.update(dict(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
+                           dropout_rate=0.0, attention_dropout_rate=0.0, max_len=32))
+  config.optimizer.update(dict(learning_rate=1e-2, warmup_steps=2))
+  config.decode.update(dict(batch_size=16))
+  return config
+
+
+def test_classification_on_tsv_files_trains_and_predicts(tmp_path):
+  rng = np.random.default_rng(0)
+  rows = {}
+  for split, count in (("train", 200), ("dev", 30)):
+    lines = ["sentence\tlabel"]
+    for _ in range(count):
+      label = int(rng.integers(0, 2))
+      words = list(rng.choice(["a", "film", "the", "plot", "is"], 3)) + [
+          ["dull", "bad"][rng.integers(0, 2)] if label == 0 else ["fine", "good"][rng.integers(0, 2)]]
+      lines.append(" ".join(rng.permutation(words)) + " \t" + str(label))
+    rows[split] = lines
+    write(tmp_path / f"{split}.tsv", lines, gz=split == "train")
+  workdir = str(tmp_path / "run")
+  final = loop.train_and_evaluate(_shrink(sst2.get_config(), 40, dir=str(tmp_path)), workdir)
+  assert set(final) == {"eval/loss", "eval/accuracy"}
+  assert final["eval/accuracy"] >= 0.9                 # One word decides: learnt quickly.
+  train = [l for l in _lines(workdir) if "train/loss" in l]
+  assert train[-1]["train/loss"] < train[0]["train/loss"]
+  with open(os.path.join(workdir, "labels.json")) as f:
+    assert json.load(f) == {"labels": ["negative", "positive"]}
+  predictor = Predictor(workdir)
+  assert predictor.predict_lines(["the film is good", "a dull plot", ""])[:2] == [
+      "positive", "negative"]
+
+
+def test_tagging_on_conll_files_trains_predicts_and_scores_entities(tmp_path):
+  rng = np.random.default_rng(1)
+  names, places = ["Smith", "Jones", "Brown"], ["Paris", "Rome", "Oslo"]
+  for split, count in (("train", 150), ("dev", 20)):
+    lines = []
+    for _ in range(count):
+      lines += [f"{rng.choice(names)} NNP B-PER", "visited VBD O",
+                f"{rng.choice(places)} NNP B-LOC", ". . O", ""]
+    write(tmp_path / f"{split}.txt", lines, gz=split == "dev")
+  workdir = str(tmp_path / "run")
+  final = loop.train_and_evaluate(_shrink(conll2003.get_config(), 40, dir=str(tmp_path)),
+                                  workdir)
+  assert {"eval/f1", "eval/precision", "eval/recall", "eval/accuracy"} <= set(final)
+  assert final["eval/f1"] >= 90.0
+  predictor = Predictor(workdir)
+  assert predictor.labels == ["O", "B-LOC", "B-PER"]
+  out = predictor.predict_lines(["Jones visited Oslo .", "", "Brown visited"])
+  assert out[0] == "B-PER O B-LOC O" and out[1] == "" and len(out[2].split()) == 2
+
+  # The command line gives the same, one line of tags per line of words.
+  from test_cli import _run
+  infile, outfile = tmp_path / "in.txt", tmp_path / "out.txt"
+  infile.write_text("Jones visited Oslo .\n\nBrown visited\n")
+  code, output = _run("-m", "transformer_jax.predict", f"--workdir={workdir}",
+                      f"--input={infile}", f"--output={outfile}")
+  assert code == 0, output
+  assert outfile.read_text().split("\n")[:-1] == out

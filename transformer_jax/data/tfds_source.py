@@ -96,10 +96,11 @@ def _converter(kind: str, name: str, data_config: Any) -> Callable[[dict, int], 
   return tagging
 
 
-def _label_names(kind: str, name: str, source: Any) -> list[str] | None:
+def _label_names(kind: str, name: str, data_config: Any) -> list[str] | None:
+  """Class or tag names from the dataset's feature description."""
   if kind == "seq2seq":
     return None
-  features = source.dataset_info.features
+  features = _tfds().builder(name, data_dir=data_config.get("tfds_data_dir") or None).info.features
   if kind == "classification":
     key = _CLASSIFICATION_FEATURES.get(name.split("/")[0], _DEFAULT_CLASSIFICATION_FEATURES)[1]
     return list(features[key].names)
@@ -117,5 +118,5 @@ def tfds_corpus(kind: str, data_config: Any) -> Corpus:
   def loader(split: str) -> Callable[[], Sequence[dict]]:
     source = train if split == data_config.train_split else None
     return lambda: _Records(source or _open(name, split, data_config), convert)
-  return Corpus(kind, {s: loader(s) for s in splits}, _label_names(kind, name, train),
+  return Corpus(kind, {s: loader(s) for s in splits}, _label_names(kind, name, data_config),
                 f"TFDS {name}")
