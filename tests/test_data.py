@@ -320,3 +320,30 @@ def test_eval_buckets_keep_every_example_in_few_static_shapes():
       np.testing.assert_array_equal(batch.arrays["src"][row, :len(ids)], ids)
       assert (batch.arrays["src_segment_ids"][row] == (batch.arrays["src"][row] != 0)).all()
     assert (batch.arrays["src"][len(batch.records):] == PAD_ID).all()   # Padding rows.
+
+
+def test_separate_source_and_target_vocabularies(tmp_path):
+  config = text_data(dir=str(tmp_path / "a"), source_language="de", target_language="en",
+                     eval_split="val", vocab_size=80, shared_vocab=False)
+  _multi30k_like(tmp_path / "a", [(t.upper(), t) for t in TEXTS])
+  workdir = str(tmp_path / "work")
+  data = TextData(local_corpus("seq2seq", config), config, 0, workdir)
+  assert data.target_tokenizer is not data.tokenizer
+  assert os.path.exists(os.path.join(workdir, "target_vocab.json"))
+  assert data.tokenizer.pieces("A DOG") != data.target_tokenizer.pieces("A DOG")
+  for batch in data.eval_batches("val", batch_size=4, limit=3):
+    for row, record in zip(batch.arrays["tgt_out"], batch.records):
+      assert data.target_tokenizer.decode(row) == record["target"]
+  reloaded = TextData(local_corpus("seq2seq", config), config, 0, workdir)
+  assert reloaded.target_tokenizer.model_proto == data.target_tokenizer.model_proto
+  assert reloaded.tokenizer.model_proto == data.tokenizer.model_proto
+  # The model gets both sizes; one shared embedding table cannot serve two vocabularies.
+  from configs import multi30k
+  from transformer_jax.training.loop import model_config
+  run = multi30k.get_config()
+  with pytest.raises(ValueError, match="share_embeddings"):
+    model_config(run, data)
+  run.model.share_embeddings = False
+  cfg = model_config(run, data)
+  assert (cfg.vocab_size, cfg.tgt_vocab_size) == (data.tokenizer.vocab_size,
+                                                  data.target_tokenizer.vocab_size)

@@ -53,6 +53,10 @@ def model_config(config: ml_collections.ConfigDict, data: Any) -> TransformerCon
   """The config's model fields with the vocabulary sizes of the data's tokenizers."""
   values = {**config.model.to_dict(), "vocab_size": data.tokenizer.vocab_size}
   if data.target_tokenizer is not data.tokenizer:
+    if values["share_embeddings"]:   # Equal sizes or not, id i means different pieces.
+      raise ValueError("model.share_embeddings=True needs one vocabulary for source and "
+                       "target, but data.shared_vocab=False gives two; set "
+                       "--config.model.share_embeddings=False")
     values["target_vocab_size"] = data.target_tokenizer.vocab_size
   return TransformerConfig.from_dict(values)
 
