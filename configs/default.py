@@ -45,6 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Annealing to 0 matters here: with the paper's rsqrt decay the same model plateaus
   # below 99% exact match in this budget.
 
+  # batch_size: rows per evaluation batch (teacher-forced loss and decoding alike).
   config.decode = ml_collections.ConfigDict(dict(
       beam_size=4, alpha=0.6, max_extra_length=4, eval_examples=1000, batch_size=250,
       num_samples=5))
@@ -55,3 +56,30 @@ def get_config() -> ml_collections.ConfigDict:
   config.distributed = ml_collections.ConfigDict(dict(
       initialize=False, coordinator_address="", num_processes=0, process_id=-1))
   return config
+
+
+def text_data(**fields) -> ml_collections.ConfigDict:
+  """The `data` group of real-text tasks (local files or TFDS), every field present so
+  that each can be overridden on the command line; `fields` set the task's values."""
+  data = ml_collections.ConfigDict(dict(
+      source="local",            # local | tfds
+      dir="",                    # local: folder with {split}.{lang} / {split}.tsv / {split}.txt
+      name="",                   # tfds: dataset name, e.g. wmt14_translate/de-en
+      tfds_data_dir="",          # tfds: where prepared datasets are ("" = TFDS default)
+      download=False,            # tfds: try to download and prepare a missing dataset
+      source_language="", target_language="",   # seq2seq: file suffixes / TFDS features
+      labels="",                 # class names by label index, or the tag set ("" = train's)
+      train_split="train", eval_split="validation", test_split="",
+      tokenizer="sentencepiece",  # sentencepiece | words (tagging needs words)
+      vocab_size=8000, shared_vocab=True, spm_model_type="unigram",
+      tokenizer_max_examples=0,  # train the tokenizer on a sample of this size (0 = all)
+      min_word_count=2,          # words: rarer words map to their shape (<unk:Xx>, ...)
+      max_length=64,             # training: tokens per packed row and per example
+      too_long="drop",           # drop | truncate training examples longer than max_length
+      pack=True,                 # several examples per row (False: one, padded)
+      max_segments=0,            # classification: label slots per packed row
+      eval_max_length=128,       # evaluation: longest bucket (longer examples truncated)
+      eval_examples=0,           # periodic evaluation on the first N examples (0 = all)
+      prefetch=2))               # batches prepared ahead in a background thread
+  data.update(fields)
+  return data

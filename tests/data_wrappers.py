@@ -24,6 +24,12 @@ class BatchesWrapper:
   def set_state(self, state: dict) -> None:
     self.batches.set_state(state)
 
+  def stats(self) -> dict:
+    return self.batches.stats()
+
+  def close(self) -> None:
+    self.batches.close()
+
 
 class SourceWrapper:
   """A data source whose training batches come wrapped by `wrap(batches)`."""
@@ -34,5 +40,5 @@ class SourceWrapper:
   def __getattr__(self, name: str) -> Any:
     return getattr(self._source, name)
 
-  def train_batches(self, batch_size: int, start: int = 0) -> BatchesWrapper:
-    return self._wrap(self._source.train_batches(batch_size, start))
+  def train_iterator(self, batch_size: int) -> BatchesWrapper:
+    return self._wrap(self._source.train_iterator(batch_size))

@@ -82,7 +82,7 @@ def test_restore_is_bitwise_what_was_saved(tmp_path):
   assert restored.config == RUN_CONFIG
   _assert_bitwise_equal(restored.state, saved)
   with open(tmp_path / "3" / "tokenizer" / "metadata") as f:   # The tokenizer travels along.
-    assert checkpoint.load_tokenizer_item(json.load(f)).symbols == make_vocab().symbols
+    assert checkpoint.load_tokenizer_item(json.load(f)).tokenizer.symbols == make_vocab().symbols
 
 
 def test_fingerprint_sees_every_flipped_bit_and_swapped_values():
@@ -243,7 +243,7 @@ def test_average_of_two_checkpoints_is_their_mean(tmp_path):
   _assert_bitwise_equal(averaged, expected)
   model = checkpoint.read_model(str(out))
   assert (model.step, model.averaged_steps, model.config) == (2, [1, 2], RUN_CONFIG)
-  assert model.tokenizer.symbols == make_vocab().symbols
+  assert model.assets.tokenizer.symbols == make_vocab().symbols
   # Exporting one checkpoint copies its parameters; an export never overwrites.
   single = workdir / checkpoint.EXPORT_DIR / "single"
   checkpoint.export(str(directory), [1], str(single))
@@ -279,14 +279,14 @@ def test_export_selects_steps():
 # -------------------------------------------------------------------- data iterator
 def test_synthetic_iterator_state_resumes_the_same_batches():
   task = SyntheticTask("reverse", 2, 5, seed=3)
-  batches = task.train_batches(4)
+  batches = task.train_iterator(4)
   seen = [next(batches) for _ in range(3)]
   for index, batch in enumerate(seen):                     # Batch i is the step-i+1 batch.
     _assert_bitwise_equal(batch, task.batch("train", index, 4))
   state = batches.get_state()
   assert state == {"next_index": 3} and json.loads(json.dumps(state)) == state
   following = next(batches)
-  resumed = task.train_batches(4)
+  resumed = task.train_iterator(4)
   resumed.set_state(state)
   _assert_bitwise_equal(next(resumed), following)
   for bad in ({"index": 3}, {"next_index": -1}, {"next_index": "3"}, [3]):

@@ -74,7 +74,7 @@ def _sample_sources(workdir: str) -> list[str]:
   and a source longer than any seen in training."""
   with open(os.path.join(workdir, "config.json")) as f:
     config = ml_collections.ConfigDict(json.load(f))
-  source = make_source(config.data, config.seed)
+  source = make_source(config)
   return [s for s, _ in source.eval_examples(7)] + ["5", "", "9 8 7 6 5 4 3"]
 
 

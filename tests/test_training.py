@@ -491,7 +491,8 @@ def test_train_and_evaluate_stops_on_nonfinite_loss(tmp_path, monkeypatch):
 
   monkeypatch.setattr(loop, "make_source",
                       lambda *a: SourceWrapper(real_make_source(*a), PoisonedBatches))
-  monkeypatch.setattr(loop, "Seq2SeqTask", ScaledLossTask)
+  monkeypatch.setattr(loop, "make_task", lambda kind, cfg, **kw: ScaledLossTask(
+      Transformer(cfg), kw["label_smoothing"], kw["tokenizer"], kw["decode"]))
   config = tiny_run_config(num_train_steps=12, log_every_steps=100, checkpoint_every_steps=4,
                            eval_every_steps=100)
   workdir = str(tmp_path / "nan")
@@ -539,8 +540,11 @@ def test_synthetic_batches_are_a_function_of_seed_and_index():
   assert a.examples("train", 3, 16) != a.examples("train", 4, 16)
   assert a.examples("train", 3, 16) != SyntheticTask("add", 1, 4, seed=8).examples("train", 3, 16)
   assert a.eval_examples(16) != a.examples("train", 0, 16)      # Separate streams.
-  it = a.train_batches(16, start=3)
+  it = a.train_iterator(16)
+  np.testing.assert_array_equal(next(it)["src"], a.batch("train", 0, 16)["src"])
+  it.set_state({"next_index": 3})                               # The state is the position.
   np.testing.assert_array_equal(next(it)["src"], a.batch("train", 3, 16)["src"])
+  assert it.get_state() == {"next_index": 4}
   np.testing.assert_array_equal(next(it)["src"], a.batch("train", 4, 16)["src"])
 
 

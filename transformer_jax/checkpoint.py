@@ -42,7 +42,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from transformer_jax import sharding
-from transformer_jax.data.vocab import load_tokenizer
+from transformer_jax.data.text_data import TARGET_VOCAB_FILE, VOCAB_FILE
+from transformer_jax.data.tokenizer import load_tokenizer
 from transformer_jax.training.state import TrainState
 
 ARRAY_ITEMS = ("params", "train")
@@ -117,21 +118,38 @@ def _verify(item: str, tree: Any, manifest: dict, where: str) -> None:
 
 
 # ------------------------------------------------------------------------ tokenizer and config
-def tokenizer_item(vocab: Any) -> dict[str, str]:
-  """The tokenizer as its saved file, base64 in JSON (any tokenizer with `save(path)`)."""
-  with tempfile.TemporaryDirectory() as tmp:
-    path = os.path.join(tmp, "tokenizer")
-    vocab.save(path)
-    with open(path, "rb") as f:
-      return {"base64": base64.b64encode(f.read()).decode("ascii")}
+@dataclasses.dataclass
+class TextAssets:
+  """What turns text into ids and back: the tokenizer(s) and the class or tag names."""
+  tokenizer: Any
+  target_tokenizer: Any
+  labels: list[str] | None
 
 
-def load_tokenizer_item(item: dict[str, str]) -> Any:
+def tokenizer_item(tokenizer: Any, target_tokenizer: Any = None,
+                   labels: Sequence[str] | None = None) -> dict[str, Any]:
+  """The tokenizers as the files they save (base64 in JSON; a SentencePiece tokenizer saves
+  two) and the label names: a checkpoint is usable without its workdir."""
+  files = {}
   with tempfile.TemporaryDirectory() as tmp:
-    path = os.path.join(tmp, "tokenizer")
-    with open(path, "wb") as f:
-      f.write(base64.b64decode(item["base64"]))
-    return load_tokenizer(path)
+    tokenizer.save(os.path.join(tmp, VOCAB_FILE))
+    if target_tokenizer is not None and target_tokenizer is not tokenizer:
+      target_tokenizer.save(os.path.join(tmp, TARGET_VOCAB_FILE))
+    for name in sorted(os.listdir(tmp)):
+      with open(os.path.join(tmp, name), "rb") as f:
+        files[name] = base64.b64encode(f.read()).decode("ascii")
+  return {"files": files, "labels": list(labels) if labels is not None else None}
+
+
+def load_tokenizer_item(item: dict[str, Any]) -> TextAssets:
+  with tempfile.TemporaryDirectory() as tmp:
+    for name, data in item["files"].items():
+      with open(os.path.join(tmp, os.path.basename(name)), "wb") as f:
+        f.write(base64.b64decode(data))
+    tokenizer = load_tokenizer(os.path.join(tmp, VOCAB_FILE))
+    target_path = os.path.join(tmp, TARGET_VOCAB_FILE)
+    target = load_tokenizer(target_path) if os.path.exists(target_path) else tokenizer
+  return TextAssets(tokenizer, target, item.get("labels"))
 
 
 def _flatten(config: dict, prefix: str = "") -> dict[str, Any]:
@@ -196,7 +214,7 @@ class Model:
   path: str
   step: int
   config: dict
-  tokenizer: Any
+  assets: TextAssets
   averaged_steps: list[int]
 
 
@@ -206,7 +224,7 @@ def read_model(path: str) -> Model:
                tokenizer=ocp.args.JsonRestore())
   manifest = json["manifest"]
   return Model(path=str(path), step=int(manifest["step"]), config=json["config"],
-               tokenizer=load_tokenizer_item(json["tokenizer"]),
+               assets=load_tokenizer_item(json["tokenizer"]),
                averaged_steps=list(manifest.get("averaged_steps", [manifest["step"]])))
 
 

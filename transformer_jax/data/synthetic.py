@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from transformer_jax import sharding
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID
+from transformer_jax.data.pipeline import EvalBatch
 from transformer_jax.data.vocab import SymbolVocab
 
 TASKS = ("reverse", "sort", "add")
@@ -29,7 +31,11 @@ def make_vocab() -> SymbolVocab:
 
 
 class SyntheticTask:
-  """Generates (source text, target text) pairs and padded id batches for one task."""
+  """Generates (source text, target text) pairs and padded id batches for one task. Offers
+  the trainer's data interface (see data/sources.py): fixed-width batches, no packing."""
+
+  kind = "seq2seq"
+  labels = None
 
   def __init__(self, task: str, min_length: int, max_length: int, seed: int):
     if task not in TASKS:
@@ -39,6 +45,8 @@ class SyntheticTask:
                        "1 <= min_length <= max_length")
     self.task, self.min_length, self.max_length, self.seed = task, min_length, max_length, seed
     self.vocab = make_vocab()
+    self.tokenizer = self.target_tokenizer = self.vocab
+    self.summary = f"synthetic task {task!r}, lengths {min_length}-{max_length}"
     # Fixed array widths: source, and target + EOS.
     if task == "add":
       self.src_length = 2 * max_length + 1
@@ -81,13 +89,26 @@ class SyntheticTask:
   def batch(self, stream: str, index: int, batch_size: int) -> dict[str, np.ndarray]:
     return self.encode_batch(self.examples(stream, index, batch_size))
 
-  def train_batches(self, batch_size: int, start: int = 0) -> "SyntheticBatches":
-    """The endless training stream from batch `start` on; checkpointable (get/set_state)."""
-    return SyntheticBatches(self, batch_size, start)
-
   def eval_examples(self, count: int) -> list[tuple[str, str]]:
     """Held-out pairs, from a random stream separate from the training stream."""
     return self.examples("eval", 0, count)
+
+  def train_iterator(self, batch_size: int) -> "SyntheticBatches":
+    """The endless training stream, this host's rows of each global batch of `batch_size`
+    (every host generates the same batch, so the run does not depend on the host count)."""
+    return SyntheticBatches(self, batch_size)
+
+  def eval_batches(self, split: str, batch_size: int, limit: int) -> list[EvalBatch]:
+    """`limit` held-out pairs in batches of `batch_size` rows (the last padded)."""
+    if split != "eval":
+      raise ValueError(f"synthetic data has one held-out split, 'eval', not {split!r}")
+    pairs = self.eval_examples(limit)
+    batches = []
+    for start in range(0, len(pairs), batch_size):
+      chunk = pairs[start:start + batch_size]
+      arrays = self.encode_batch(chunk + [("", "")] * (batch_size - len(chunk)))
+      batches.append(EvalBatch(arrays, [{"source": s, "target": t} for s, t in chunk]))
+    return batches
 
 
 class SyntheticBatches:
@@ -96,6 +117,7 @@ class SyntheticBatches:
 
   def __init__(self, task: SyntheticTask, batch_size: int, start: int = 0):
     self.task, self.batch_size = task, batch_size
+    self.rows = sharding.local_rows(batch_size)
     self.set_state({"next_index": start})
 
   def __iter__(self) -> "SyntheticBatches":
@@ -104,7 +126,7 @@ class SyntheticBatches:
   def __next__(self) -> dict[str, np.ndarray]:
     batch = self.task.batch("train", self._next_index, self.batch_size)
     self._next_index += 1
-    return batch
+    return {k: v[self.rows] for k, v in batch.items()}
 
   def get_state(self) -> dict[str, Any]:
     return {"next_index": self._next_index}
@@ -116,3 +138,9 @@ class SyntheticBatches:
       raise ValueError(f"synthetic data iterator state {state!r}: expected "
                        "{'next_index': <int >= 0>}")
     self._next_index = state["next_index"]
+
+  def stats(self) -> dict[str, int]:
+    return {}   # Generated examples are never too long or empty.
+
+  def close(self) -> None:
+    pass

@@ -7,7 +7,6 @@ interface of the SentencePiece tokenizer: encode, decode, vocab_size, save, load
 from __future__ import annotations
 
 import json
-import os
 from typing import Sequence
 
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
@@ -58,13 +57,3 @@ class SymbolVocab:
       data = json.load(f)
     return cls(data["symbols"])
 
-
-def load_tokenizer(path: str) -> SymbolVocab:
-  """Loads the tokenizer saved at `path` (a workdir's vocab.json)."""
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"no tokenizer at {path}")
-  with open(path) as f:
-    kind = json.load(f).get("kind")
-  if kind == SymbolVocab.kind:
-    return SymbolVocab.load(path)
-  raise ValueError(f"{path}: unknown tokenizer kind {kind!r}")

@@ -145,7 +145,12 @@ POOLINGS = ("mean", "max", "first")
 
 
 class EncoderClassifier(nn.Module):
-  """Sequence classification: encoder, pooling over real tokens, linear layer -> (B, C)."""
+  """Sequence classification: encoder, pooling over real tokens, linear layer -> (B, C).
+
+  Packed rows (several sequences per row, as in training) pass `positions`, `segment_ids`
+  and `num_segments` K: each row then yields one prediction per segment, (B, K, C), where
+  slot k holds segment k + 1 (empty slots pool to zeros).
+  """
 
   config: TransformerConfig
   num_classes: int = 2
@@ -160,25 +165,43 @@ class EncoderClassifier(nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def __call__(self, tokens: Array, *, train: bool = False) -> Array:
+  def __call__(self, tokens: Array, *, positions: Array | None = None,
+               segment_ids: Array | None = None, num_segments: int | None = None,
+               train: bool = False) -> Array:
     cfg = self.config
-    x = Encoder(cfg, name="encoder")(tokens, train=train)          # (B, T, D)
-    valid = (tokens != PAD_ID)[..., None]
-    if self.pooling == "mean":
-      pooled = (x * valid).sum(1) / jnp.maximum(valid.sum(1), 1).astype(x.dtype)
-    elif self.pooling == "max":
-      pooled = jnp.where(valid, x, jnp.finfo(x.dtype).min).max(1)
-      # A row with no real token (e.g. batch padding) pools to 0, as with "mean", instead
-      # of finfo.min, which the classifier layer would turn into inf/NaN logits.
-      pooled = jnp.where(valid.any(1), pooled, 0)
+    x = Encoder(cfg, name="encoder")(tokens, positions, segment_ids, train=train)  # (B, T, D)
+    valid = tokens != PAD_ID
+    if segment_ids is None:
+      members = valid[:, None, :]                                                  # (B, 1, T)
     else:
-      pooled = x[:, 0]
+      if num_segments is None:
+        raise ValueError("EncoderClassifier: packed inputs (segment_ids) need num_segments")
+      slots = jnp.arange(1, num_segments + 1, dtype=segment_ids.dtype)
+      members = (segment_ids[:, None, :] == slots[None, :, None]) & valid[:, None, :]
+    pooled = _pool(x, members, self.pooling)                                      # (B, K, D)
     pooled = nn.Dropout(cfg.dropout_rate, deterministic=not train)(pooled)
-    return _classifier_layer(cfg, self.num_classes)(pooled).astype(jnp.float32)
+    logits = _classifier_layer(cfg, self.num_classes)(pooled).astype(jnp.float32)
+    return logits[:, 0] if segment_ids is None else logits
+
+
+def _pool(x: Array, members: Array, pooling: str) -> Array:
+  """x (B, T, D), members (B, K, T) booleans -> (B, K, D). A slot without members pools to
+  zeros (e.g. batch padding), so the classifier layer never sees inf/NaN."""
+  if pooling == "first":
+    members = members & (jnp.cumsum(members, axis=-1) == 1)
+  weights = members.astype(x.dtype)
+  if pooling == "max":
+    pooled = jnp.where(members[..., None], x[:, None], jnp.finfo(x.dtype).min).max(2)
+    return jnp.where(members.any(-1)[..., None], pooled, 0)
+  summed = jnp.einsum("bkt,btd->bkd", weights, x)
+  if pooling == "first":
+    return summed
+  return summed / jnp.maximum(weights.sum(-1), 1)[..., None]
 
 
 class TokenClassifier(nn.Module):
-  """Token tagging (e.g. NER): encoder, linear layer per token -> (B, T, num_labels)."""
+  """Token tagging (e.g. NER): encoder, linear layer per token -> (B, T, num_labels).
+  Packed rows pass `positions` and `segment_ids` as for the encoder."""
 
   config: TransformerConfig
   num_labels: int = 9
@@ -190,9 +213,10 @@ class TokenClassifier(nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def __call__(self, tokens: Array, *, train: bool = False) -> Array:
+  def __call__(self, tokens: Array, *, positions: Array | None = None,
+               segment_ids: Array | None = None, train: bool = False) -> Array:
     cfg = self.config
-    x = Encoder(cfg, name="encoder")(tokens, train=train)
+    x = Encoder(cfg, name="encoder")(tokens, positions, segment_ids, train=train)
     x = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
     return _classifier_layer(cfg, self.num_labels)(x).astype(jnp.float32)
 

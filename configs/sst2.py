@@ -1,0 +1,40 @@
+"""SST-2 sentence sentiment (GLUE): an encoder-only classifier trained from scratch on a CPU.
+
+  python train.py --config=configs/sst2.py --workdir=workdirs/sst2
+
+Data: ../shared/data/sst2 (train.tsv.gz: 67,349 phrases; dev.tsv.gz: 872 sentences;
+lowercased, tokenized, label 0 = negative, 1 = positive). Reports eval/accuracy on dev.
+The same task from TFDS: --config.data.source=tfds --config.data.name=glue/sst2
+--config.data.eval_split=validation.
+"""
+
+import ml_collections
+
+from configs import default
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = default.get_config()
+  config.task = "classification"
+  config.pooling = "mean"             # mean | max | first
+  config.num_train_steps = 3000
+  config.log_every_steps = 100
+  config.eval_every_steps = 1000
+  config.checkpoint_every_steps = 1000
+  config.keep_checkpoints = 2
+  config.batch_size = 32              # packed rows of data.max_length tokens
+  config.label_smoothing = 0.0
+
+  config.data = default.text_data(
+      dir="../shared/data/sst2", labels="negative,positive", eval_split="dev",
+      tokenizer="words", min_word_count=1, max_length=64, too_long="truncate",
+      max_segments=12, eval_max_length=64)
+
+  config.model.update(dict(
+      d_model=128, num_heads=4, d_ff=256, num_encoder_layers=2, num_decoder_layers=0,
+      dropout_rate=0.2, attention_dropout_rate=0.1, max_len=64))
+
+  config.optimizer.update(dict(name="adamw", weight_decay=0.01, schedule="warmup_cosine",
+                               learning_rate=1e-3, warmup_steps=300, clip_grad_norm=1.0))
+  config.decode.update(dict(batch_size=128, num_samples=3))
+  return config

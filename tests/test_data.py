@@ -1,0 +1,349 @@
+"""The data layer: local readers and their errors, tokenizers, the Grain pipeline (packing,
+sharding, seeded shuffling, checkpointable iterator state, length limits, eval buckets).
+All data files are small ones the tests write themselves."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import grain
+import numpy as np
+import pytest
+
+from configs.default import text_data
+from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer_jax.data import pipeline, readers
+from transformer_jax.data.corpus import local_corpus
+from transformer_jax.data.readers import DataFormatError
+from transformer_jax.data.text_data import TextData
+from transformer_jax.data.tokenizer import SentencePieceTokenizer, WordVocab, load_tokenizer
+from transformer_jax.data.vocab import SymbolVocab
+
+DIGITS = SymbolVocab([str(d) for d in range(10)])
+
+
+def write(path, lines, gz: bool = False) -> str:
+  data = "".join(line + "\n" for line in lines).encode("utf-8")
+  if gz:
+    path = str(path) + ".gz"
+    with gzip.open(path, "wb") as f:
+      f.write(data)
+  else:
+    with open(path, "wb") as f:
+      f.write(data)
+  return str(path)
+
+
+def digit_records(count: int, seed: int = 0, max_len: int = 9) -> list[dict]:
+  """Distinct seq2seq records over digit symbols: source i -> its reverse."""
+  rng = np.random.default_rng(seed)
+  records, seen = [], set()
+  while len(records) < count:
+    source = " ".join(str(d) for d in rng.integers(0, 10, rng.integers(1, max_len + 1)))
+    if source not in seen:
+      seen.add(source)
+      records.append({"source": source, "target": " ".join(source.split()[::-1])})
+  return records
+
+
+def seq2seq_iterator(records, **kwargs) -> pipeline.TrainIterator:
+  args = dict(batch_size=4, max_length=16, seed=0, prefetch=0)
+  args.update(kwargs)
+  return pipeline.train_iterator(records, pipeline.Featurizer("seq2seq", DIGITS), **args)
+
+
+def packed_sources(batches) -> list[tuple[int, ...]]:
+  """Every source sequence in packed seq2seq batches, split at segment boundaries, after
+  checking that positions restart at 0 in each segment and padding has segment 0."""
+  out = []
+  for batch in batches:
+    for row, segments, positions in zip(batch["src"], batch["src_segment_ids"],
+                                        batch["src_positions"]):
+      assert (row[segments == 0] == PAD_ID).all() and (row[segments > 0] != PAD_ID).all()
+      for segment in range(1, segments.max() + 1):
+        members = segments == segment
+        np.testing.assert_array_equal(positions[members], np.arange(members.sum()))
+        out.append(tuple(row[members]))
+  return out
+
+
+# ------------------------------------------------------------------------------ readers
+def test_local_files_plain_and_gzipped_read_the_same(tmp_path):
+  lines_de, lines_en = ["Ein Hund läuft .", "Zwei Katzen"], ["A dog runs .", "Two cats"]
+  plain, zipped = tmp_path / "plain", tmp_path / "zipped"
+  plain.mkdir(), zipped.mkdir()
+  for folder, gz in ((plain, False), (zipped, True)):
+    write(folder / "train.de", lines_de, gz)
+    write(folder / "train.en", lines_en, gz)
+  read = lambda folder: readers.read_parallel(readers.find_file(str(folder), "train.de"),
+                                              readers.find_file(str(folder), "train.en"))
+  assert read(plain) == read(zipped) == [
+      {"source": "Ein Hund läuft .", "target": "A dog runs ."},
+      {"source": "Zwei Katzen", "target": "Two cats"}]
+
+
+def test_missing_file_lists_the_folder(tmp_path):
+  write(tmp_path / "train.de", ["x"])
+  with pytest.raises(FileNotFoundError, match=r"'train\.en'.*train\.de"):
+    readers.find_file(str(tmp_path), "train.en")
+  with pytest.raises(FileNotFoundError, match="data.dir"):
+    readers.find_file(str(tmp_path / "nowhere"), "train.en")
+
+
+def test_parallel_files_with_different_line_counts_name_the_unpaired_line(tmp_path):
+  src = write(tmp_path / "train.de", ["a", "b", "c"])
+  tgt = write(tmp_path / "train.en", ["a", "b"])
+  with pytest.raises(DataFormatError, match=r"has 3 lines.*has 2.*train\.de:3"):
+    readers.read_parallel(src, tgt)
+
+
+def test_non_utf8_byte_names_file_and_line(tmp_path):
+  path = tmp_path / "train.tsv"
+  path.write_bytes(b"sentence\tlabel\ngood\t1\nbad \xff byte\t0\n")
+  with pytest.raises(DataFormatError, match=r"train\.tsv:3: not valid UTF-8 \(byte 0xff"):
+    readers.read_tsv(str(path), ["neg", "pos"])
+  gz = tmp_path / "x.de.gz"
+  gz.write_bytes(gzip.compress(b"fine\nstill fine\n\xc3\x28\n"))
+  with pytest.raises(DataFormatError, match=r"x\.de\.gz:3: not valid UTF-8"):
+    list(readers.read_lines(str(gz)))
+
+
+def test_corrupt_gzip_is_reported(tmp_path):
+  path = tmp_path / "train.en.gz"
+  path.write_bytes(b"not gzip at all")
+  with pytest.raises(DataFormatError, match=r"train\.en\.gz: not a readable gzip"):
+    list(readers.read_lines(str(path)))
+
+
+def test_tsv_rows_labels_and_errors(tmp_path):
+  good = write(tmp_path / "good.tsv", ["sentence\tlabel", "a fine film \t1", "dull\t0",
+                                       "by name\tneg", ""])
+  assert readers.read_tsv(good, ["neg", "pos"]) == [
+      {"text": "a fine film", "label": 1}, {"text": "dull", "label": 0},
+      {"text": "by name", "label": 0}]
+  fields = write(tmp_path / "fields.tsv", ["ok\t1", "one\ttoo\tmany"])
+  with pytest.raises(DataFormatError, match=r"fields\.tsv:2: expected 2 tab-separated.*found 3"):
+    readers.read_tsv(fields, ["neg", "pos"])
+  label = write(tmp_path / "label.tsv", ["ok\t1", "ok\t0", "what\t2"])
+  with pytest.raises(DataFormatError, match=r"label\.tsv:3: unknown label '2'"):
+    readers.read_tsv(label, ["neg", "pos"])
+
+
+def test_conll_sentences_tags_and_errors(tmp_path):
+  good = write(tmp_path / "train.txt", ["-DOCSTART- -X- O", "", "EU NNP B-ORG",
+                                        "rejects VBZ O", "", "", "Peter NNP B-PER",
+                                        "Blackburn NNP I-PER"])
+  sentences = readers.read_conll(good)
+  assert [s["words"] for s in sentences] == [["EU", "rejects"], ["Peter", "Blackburn"]]
+  assert [s["line"] for s in sentences] == [3, 7]
+  names = readers.tag_names_of(sentences)
+  assert names == ["O", "B-ORG", "B-PER", "I-PER"]
+  assert readers.tag_ids(sentences, names, good)[1] == {"words": ["Peter", "Blackburn"],
+                                                        "tags": [2, 3]}
+  short = write(tmp_path / "short.txt", ["EU B-ORG", "lonely"])
+  with pytest.raises(DataFormatError, match=r"short\.txt:2: expected 'word \.\.\. tag'"):
+    readers.read_conll(short)
+  bad_tag = write(tmp_path / "bad.txt", ["EU NNP B-ORG", "x NNP PER"])
+  with pytest.raises(DataFormatError, match=r"bad\.txt:2: 'PER' is not a BIO tag"):
+    readers.read_conll(bad_tag)
+  unknown = write(tmp_path / "dev.txt", ["Paris NNP B-ORG", "", "is VBZ O", "Paris NNP B-LOC"])
+  with pytest.raises(DataFormatError, match=r"dev\.txt:4: unknown tag 'B-LOC'"):
+    readers.tag_ids(readers.read_conll(unknown), names, unknown)
+
+
+# --------------------------------------------------------------------------- tokenizers
+TEXTS = ["a small dog runs on the grass", "two dogs play in the park", "a man rides a bike",
+         "the children play football on the grass", "a woman reads a book in the park"] * 20
+
+
+@pytest.fixture(scope="module")
+def spm_tokenizer() -> SentencePieceTokenizer:
+  return SentencePieceTokenizer.train(TEXTS, vocab_size=60)
+
+
+def test_sentencepiece_round_trip_and_fixed_special_ids(spm_tokenizer, tmp_path):
+  tok = spm_tokenizer
+  assert 4 < tok.vocab_size <= 60
+  for text in set(TEXTS) | {"a dog reads"}:
+    ids = tok.encode(text)
+    assert ids and min(ids) > UNK_ID           # No specials inside text...
+    assert tok.decode(ids) == text             # ... and detokenization is exact.
+  assert UNK_ID in tok.encode("Zebra")         # Unseen characters map to UNK.
+  assert tok.decode([BOS_ID] + tok.encode("a dog") + [EOS_ID, PAD_ID]) == "a dog"
+  path = str(tmp_path / "vocab.json")
+  tok.save(path)
+  assert os.path.exists(tmp_path / "vocab.model")
+  loaded = load_tokenizer(path)
+  assert loaded.model_proto == tok.model_proto
+  assert all(loaded.encode(t) == tok.encode(t) for t in TEXTS)
+
+
+def test_word_vocab_shapes_digits_and_save(tmp_path):
+  vocab = WordVocab.build([["EU", "rejects", "German", "call"], ["EU", "in", "1996"],
+                           ["EU", "rejects", "in", "1997"]], min_count=2)
+  assert vocab.words == ["EU", "0000", "in", "rejects"]   # 1996 and 1997 share "0000".
+  ids = vocab.encode("EU rejects Bonn IBM tiny 2001 --")
+  assert vocab.decode(ids) == "EU rejects <unk:Xx> <unk:X> <unk:x> 0000 <unk:.>"
+  assert len(ids) == 7 and min(ids) > UNK_ID
+  vocab.save(str(tmp_path / "vocab.json"))
+  loaded = load_tokenizer(str(tmp_path / "vocab.json"))
+  assert loaded.encode("EU rejects Bonn 2001") == vocab.encode("EU rejects Bonn 2001")
+  with pytest.raises(ValueError, match="unknown tokenizer kind"):
+    (tmp_path / "bad.json").write_text(json.dumps({"kind": "bpe"}))
+    load_tokenizer(str(tmp_path / "bad.json"))
+
+
+def _multi30k_like(folder, pairs) -> None:
+  folder.mkdir(exist_ok=True)
+  for split in ("train", "val"):
+    write(folder / f"{split}.de", [p[0] for p in pairs], gz=True)
+    write(folder / f"{split}.en", [p[1] for p in pairs])
+
+
+def test_tokenizer_is_trained_once_and_reused_from_the_workdir(tmp_path):
+  """A second run on the same workdir loads the saved tokenizer, even if the data changed
+  (a resumed run and predict must see the ids the model was trained with)."""
+  config = text_data(dir=str(tmp_path / "a"), source_language="de", target_language="en",
+                     eval_split="val", vocab_size=80)
+  _multi30k_like(tmp_path / "a", [(t.upper(), t) for t in TEXTS])
+  _multi30k_like(tmp_path / "b", [("xyz " * 5, "qqq " * 3)] * 50)
+  workdir = str(tmp_path / "work")
+  first = TextData(local_corpus("seq2seq", config), config, 0, workdir)
+  assert "trained" in first.summary and os.path.exists(os.path.join(workdir, "vocab.json"))
+  config.dir = str(tmp_path / "b")
+  second = TextData(local_corpus("seq2seq", config), config, 0, workdir)
+  assert "loaded" in second.summary
+  assert second.tokenizer.model_proto == first.tokenizer.model_proto
+  fresh = TextData(local_corpus("seq2seq", config), config, 0, str(tmp_path / "other"))
+  assert fresh.tokenizer.model_proto != first.tokenizer.model_proto   # Control.
+
+
+# ---------------------------------------------------------------------------- pipeline
+def test_same_seed_same_batches_other_seed_other_batches():
+  records = digit_records(60)
+  take = lambda seed: [next(it) for it in [seq2seq_iterator(records, seed=seed)]
+                       for _ in range(6)]
+  a, b, c = take(3), take(3), take(4)
+  for x, y in zip(a, b):
+    for key in x:
+      np.testing.assert_array_equal(x[key], y[key])
+  assert any(not np.array_equal(x["src"], z["src"]) for x, z in zip(a, c))
+
+
+def test_iterator_state_round_trip_resumes_the_same_batches():
+  """get_state after k batches (JSON), a fresh iterator set to it, continues with exactly the
+  batches the first one yields next, across an epoch boundary and with prefetching."""
+  records = digit_records(30)
+  first = seq2seq_iterator(records, prefetch=2)
+  for _ in range(5):
+    next(first)
+  state = json.loads(json.dumps(first.get_state()))
+  expected = [next(first) for _ in range(12)]
+  second = seq2seq_iterator(records, prefetch=2)
+  next(second)                                          # Somewhere else first.
+  second.set_state(state)
+  for want, got in zip(expected, [next(second) for _ in range(12)], strict=True):
+    for key in want:
+      np.testing.assert_array_equal(got[key], want[key])
+  assert second.stats() == first.stats() != {}
+  first.close()
+  second.close()
+
+
+def test_one_epoch_packs_every_example_exactly_once_in_static_shapes():
+  records = digit_records(50)
+  batches = list(seq2seq_iterator(records, batch_size=3, max_length=12, num_epochs=1))
+  assert all(b["src"].shape == b["tgt_in"].shape == (3, 12) for b in batches)
+  expected = sorted(tuple(DIGITS.encode(r["source"])) for r in records)
+  assert sorted(packed_sources(batches)) == expected
+  assert len(batches) < len(records) / 3                # Packing put several in a row.
+  for batch in batches:   # Target side: same segments; BOS starts, EOS ends each sequence.
+    for row in range(3):
+      for segment in range(1, batch["tgt_segment_ids"][row].max() + 1):
+        members = batch["tgt_segment_ids"][row] == segment
+        assert batch["tgt_in"][row][members][0] == BOS_ID
+        assert batch["tgt_out"][row][members][-1] == EOS_ID
+        assert (batch["src_segment_ids"][row] == segment).any()
+
+
+def test_two_hosts_read_disjoint_complete_shards():
+  records = digit_records(41)
+  shards = [packed_sources(seq2seq_iterator(records, shard_index=i, shard_count=2,
+                                            num_epochs=1)) for i in range(2)]
+  assert not set(shards[0]) & set(shards[1])
+  assert sorted(shards[0] + shards[1]) == sorted(tuple(DIGITS.encode(r["source"]))
+                                                 for r in records)
+  assert abs(len(shards[0]) - len(shards[1])) <= 1
+  with pytest.raises(ValueError, match="shard 2 of 2"):
+    seq2seq_iterator(records, shard_index=2, shard_count=2)
+
+
+@pytest.mark.parametrize("policy", ["drop", "truncate"])
+def test_length_limit_counts_what_it_drops_or_truncates(policy):
+  """Counts are exact for the examples read up to the last one packed (the shuffled order is
+  Grain's, reproduced here)."""
+  records = ([{"source": "1 2 3 4 5 6", "target": "6 5 4 3 2 1"}] * 3 +
+             [{"source": "1 2", "target": "2 1"}] * 5 + [{"source": "", "target": "1"}] * 2)
+  it = seq2seq_iterator(records, max_length=4, too_long=policy, num_epochs=1)
+  sources = packed_sources(list(it))
+  assert sorted(sources) == [(5, 6)] * 5 + ([(5, 6, 7, 8)] * 3 if policy == "truncate" else [])
+  stats = it.stats()
+  order = list(grain.MapDataset.source(records).shuffle(0))
+  read, unread = order[:stats["data/examples"]], order[stats["data/examples"]:]
+  assert stats["data/too_long"] == sum(len(r["source"].split()) > 4 for r in read) > 0
+  assert stats["data/empty"] == sum(r["source"] == "" for r in read)
+  # Only examples that pack nothing can follow the last one packed.
+  assert all(r["source"] == "" or (policy == "drop" and r["source"] == "1 2 3 4 5 6")
+             for r in unread)
+  with pytest.raises(ValueError, match="data.too_long"):
+    seq2seq_iterator(records, too_long="wrap")
+
+
+def test_eval_buckets_keep_every_example_in_few_static_shapes():
+  records = digit_records(70, max_len=40)
+  featurizer = pipeline.Featurizer("seq2seq", DIGITS)
+  batches, counts = pipeline.eval_batches(records, featurizer, batch_size=8, max_length=32)
+  assert sorted(r["source"] for b in batches for r in b.records) == sorted(
+      r["source"] for r in records)
+  shapes = {b.arrays["src"].shape for b in batches}
+  assert shapes <= {(8, 16), (8, 32)}
+  long = [r for r in records if len(r["source"].split()) + 1 > 32]
+  assert counts.too_long == len(long) > 0
+  for batch in batches:
+    for row, record in enumerate(batch.records):   # One example per row, in record order.
+      ids = DIGITS.encode(record["source"])[:batch.arrays["src"].shape[1]]
+      np.testing.assert_array_equal(batch.arrays["src"][row, :len(ids)], ids)
+      assert (batch.arrays["src_segment_ids"][row] == (batch.arrays["src"][row] != 0)).all()
+    assert (batch.arrays["src"][len(batch.records):] == PAD_ID).all()   # Padding rows.
+
+
+def test_separate_source_and_target_vocabularies(tmp_path):
+  config = text_data(dir=str(tmp_path / "a"), source_language="de", target_language="en",
+                     eval_split="val", vocab_size=80, shared_vocab=False)
+  _multi30k_like(tmp_path / "a", [(t.upper(), t) for t in TEXTS])
+  workdir = str(tmp_path / "work")
+  data = TextData(local_corpus("seq2seq", config), config, 0, workdir)
+  assert data.target_tokenizer is not data.tokenizer
+  assert os.path.exists(os.path.join(workdir, "target_vocab.json"))
+  assert data.tokenizer.pieces("A DOG") != data.target_tokenizer.pieces("A DOG")
+  for batch in data.eval_batches("val", batch_size=4, limit=3):
+    for row, record in zip(batch.arrays["tgt_out"], batch.records):
+      assert data.target_tokenizer.decode(row) == record["target"]
+  reloaded = TextData(local_corpus("seq2seq", config), config, 0, workdir)
+  assert reloaded.target_tokenizer.model_proto == data.target_tokenizer.model_proto
+  assert reloaded.tokenizer.model_proto == data.tokenizer.model_proto
+  # The model gets both sizes; one shared embedding table cannot serve two vocabularies.
+  from configs import multi30k
+  from transformer_jax.training.loop import model_config
+  run = multi30k.get_config()
+  with pytest.raises(ValueError, match="share_embeddings"):
+    model_config(run, data)
+  run.model.share_embeddings = False
+  cfg = model_config(run, data)
+  assert (cfg.vocab_size, cfg.tgt_vocab_size) == (data.tokenizer.vocab_size,
+                                                  data.target_tokenizer.vocab_size)

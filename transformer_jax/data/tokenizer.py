@@ -1,0 +1,169 @@
+"""Tokenizers: SentencePiece trained on the training text, and a word vocabulary for
+tagging (one id per word, so tags align to words). Both share the interface of the symbol
+vocabulary: encode, decode, vocab_size, save, load.
+
+Ids are fixed project-wide: PAD 0, BOS 1, EOS 2, UNK 3 (transformer_jax.config).
+A tokenizer is saved as `NAME.json` in the workdir (SentencePiece adds `NAME.model`, the
+model file itself, which `sentencepiece` can load directly).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+from typing import Iterable, Sequence
+
+import sentencepiece as spm
+
+from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer_jax.data.vocab import SPECIALS, SymbolVocab
+
+
+class SentencePieceTokenizer:
+  """Subword tokenizer (SentencePiece unigram or BPE) over raw, untokenized text."""
+
+  kind = "sentencepiece"
+
+  def __init__(self, model_proto: bytes):
+    self.model_proto = model_proto
+    self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    assert (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id()) == (
+        PAD_ID, BOS_ID, EOS_ID, UNK_ID)
+
+  @classmethod
+  def train(cls, texts: Iterable[str], vocab_size: int, model_type: str = "unigram",
+            character_coverage: float = 1.0) -> "SentencePieceTokenizer":
+    """Trains on `texts` (every one is used). `vocab_size` is an upper bound: a small
+    corpus may give fewer pieces."""
+    import io
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_writer=model, vocab_size=vocab_size,
+        model_type=model_type, character_coverage=character_coverage,
+        hard_vocab_limit=False, input_sentence_size=0, pad_id=PAD_ID, bos_id=BOS_ID,
+        eos_id=EOS_ID, unk_id=UNK_ID, pad_piece=SPECIALS[0], bos_piece=SPECIALS[1],
+        eos_piece=SPECIALS[2], unk_piece=SPECIALS[3], num_threads=os.cpu_count() or 1,
+        minloglevel=2)
+    return cls(model.getvalue())
+
+  @property
+  def vocab_size(self) -> int:
+    return self._sp.get_piece_size()
+
+  def encode(self, text: str) -> list[int]:
+    return self._sp.encode(text)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._sp.decode([int(i) for i in ids])
+
+  def pieces(self, text: str) -> list[str]:
+    return self._sp.encode(text, out_type=str)
+
+  def save(self, path: str) -> None:
+    model_file = os.path.splitext(os.path.basename(path))[0] + ".model"
+    with open(os.path.join(os.path.dirname(path), model_file), "wb") as f:
+      f.write(self.model_proto)
+    with open(path, "w") as f:
+      json.dump({"kind": self.kind, "model_file": model_file}, f)
+
+  @classmethod
+  def load(cls, path: str) -> "SentencePieceTokenizer":
+    with open(path) as f:
+      model_file = os.path.join(os.path.dirname(path), json.load(f)["model_file"])
+    with open(model_file, "rb") as f:
+      return cls(f.read())
+
+
+_DIGIT = re.compile(r"\d")
+
+
+def word_shape(word: str) -> str:
+  """A coarse shape for a word outside the vocabulary: capitalisation is strong evidence
+  for names, digits for numbers."""
+  if any(c.isdigit() for c in word):
+    return "<unk:0>"
+  if word.isupper():
+    return "<unk:X>"
+  if word[:1].isupper():
+    return "<unk:Xx>"
+  if word.islower():
+    return "<unk:x>"
+  return "<unk:.>"
+
+
+SHAPES = ("<unk:0>", "<unk:X>", "<unk:Xx>", "<unk:x>", "<unk:.>")
+
+
+class WordVocab:
+  """One id per (case-kept) word; digits optionally mapped to 0 ("1996" -> "0000"). Words
+  outside the vocabulary map to an id for their shape (see `word_shape`), so a rare name
+  still reads as a capitalised unknown word."""
+
+  kind = "words"
+
+  def __init__(self, words: Sequence[str], normalize_digits: bool = True):
+    self.words, self.normalize_digits = list(words), normalize_digits
+    self._itos = list(SPECIALS) + list(SHAPES) + self.words
+    self._ids = {w: i for i, w in enumerate(self._itos)}
+    if len(self._ids) != len(self._itos):
+      raise ValueError("WordVocab: words must be unique and differ from the special tokens")
+
+  @classmethod
+  def build(cls, sentences: Iterable[Sequence[str]], min_count: int = 1, max_size: int = 0,
+            normalize_digits: bool = True) -> "WordVocab":
+    """Words seen at least `min_count` times, most frequent first (at most `max_size` if
+    > 0). Words seen fewer times are left to their shape id, which then gets trained."""
+    counts = collections.Counter()
+    for words in sentences:
+      counts.update(cls._normalize(w, normalize_digits) for w in words)
+    kept = [w for w, c in sorted(counts.items(), key=lambda wc: (-wc[1], wc[0]))
+            if c >= min_count and w not in SPECIALS and w not in SHAPES]
+    return cls(kept[:max_size] if max_size > 0 else kept, normalize_digits)
+
+  @staticmethod
+  def _normalize(word: str, normalize_digits: bool) -> str:
+    return _DIGIT.sub("0", word) if normalize_digits else word
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self._itos)
+
+  def encode_words(self, words: Sequence[str]) -> list[int]:
+    out = []
+    for word in words:
+      word = self._normalize(word, self.normalize_digits)
+      out.append(self._ids.get(word, self._ids[word_shape(word)]))
+    return out
+
+  def encode(self, text: str) -> list[int]:
+    return self.encode_words(text.split())
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return " ".join(self._itos[i] for i in ids if i >= len(SPECIALS))
+
+  def save(self, path: str) -> None:
+    with open(path, "w") as f:
+      json.dump({"kind": self.kind, "words": self.words,
+                 "normalize_digits": self.normalize_digits}, f)
+
+  @classmethod
+  def load(cls, path: str) -> "WordVocab":
+    with open(path) as f:
+      data = json.load(f)
+    return cls(data["words"], data["normalize_digits"])
+
+
+_KINDS = {c.kind: c for c in (SymbolVocab, SentencePieceTokenizer, WordVocab)}
+
+
+def load_tokenizer(path: str):
+  """Loads the tokenizer saved at `path` (a workdir's vocab.json), of any kind."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no tokenizer at {path}")
+  with open(path) as f:
+    kind = json.load(f).get("kind")
+  if kind not in _KINDS:
+    raise ValueError(f"{path}: unknown tokenizer kind {kind!r}; known: {sorted(_KINDS)}")
+  return _KINDS[kind].load(path)
