@@ -153,16 +153,20 @@ def count_tokens(batch: dict[str, np.ndarray]) -> int:
 
 
 # -------------------------------------------------------------------------------- timing
-def time_calls(call: Callable[[], Any], warmup: int, steps: int) -> list[float]:
-  """Seconds per call for `steps` timed calls after `warmup` untimed ones. `call` must
-  block until its results are ready (jax.block_until_ready / torch synchronize)."""
+def time_interleaved(calls: dict[str, Callable[[], Any]], warmup: int,
+                     steps: int) -> dict[str, list[float]]:
+  """Seconds per call of each of `calls`, timed in turns (a, b, c, a, b, c, ...) after
+  `warmup` untimed rounds, so that on a shared machine every contender sees the same load.
+  Each call must block until its results are ready (block_until_ready / synchronize)."""
   for _ in range(warmup):
-    call()
-  times = []
+    for call in calls.values():
+      call()
+  times: dict[str, list[float]] = {name: [] for name in calls}
   for _ in range(steps):
-    start = time.perf_counter()
-    call()
-    times.append(time.perf_counter() - start)
+    for name, call in calls.items():
+      start = time.perf_counter()
+      call()
+      times[name].append(time.perf_counter() - start)
   return times
 
 
@@ -174,15 +178,18 @@ def stats_ms(times: list[float]) -> dict[str, float]:
 
 
 def compile_jitted(fn: Callable, *args: Any) -> tuple[Any, dict[str, float]]:
-  """AOT-compiles a jitted function for `args`: (executable, {"lower_s", "compile_s"})
-  where compile_s covers tracing, lowering and XLA compilation together."""
-  start = time.perf_counter()
+  """AOT-compiles a jitted function for `args`: (executable, {"lower_s", "compile_s", ...})
+  where compile_s covers tracing, lowering and XLA compilation together (wall clock), and
+  compile_cpu_s is the CPU time this process spent on it (all threads), which other
+  processes on a shared machine disturb much less."""
+  start, cpu_start = time.perf_counter(), time.process_time()
   lowered = fn.lower(*args)
   lowered_at = time.perf_counter()
   compiled = lowered.compile()
   done = time.perf_counter()
   return compiled, {"lower_s": lowered_at - start, "compile_s": done - start,
-                    "xla_compile_s": done - lowered_at}
+                    "xla_compile_s": done - lowered_at,
+                    "compile_cpu_s": time.process_time() - cpu_start}
 
 
 def compiled_memory(compiled: Any) -> dict[str, int] | None:
@@ -243,7 +250,8 @@ def matmul_tflops(size: int, dtype: str) -> float:
   a = jnp.ones((size, size), dtype)
   matmul = jax.jit(lambda x, y: x @ y)
   matmul(a, a).block_until_ready()
-  best = min(time_calls(lambda: matmul(a, a).block_until_ready(), 1, 5))
+  best = min(time_interleaved({"matmul": lambda: matmul(a, a).block_until_ready()}, 1,
+                              5)["matmul"])
   return 2 * size ** 3 / best / 1e12
 
 

@@ -5,8 +5,9 @@ cache and without it (recomputing the decoder over the output prefix at every st
       --batch_size=32 --max_length=64 --beam_size=4 [--json]
 
 Each search is one jitted call over a batch of random source sentences (random
-parameters), timed to block_until_ready after warm-up; tokens counts the output tokens up to
-and including EOS. Without the cache every step decodes the whole (max_length) output buffer,
+parameters), timed to block_until_ready after warm-up, the four searches in turns (so that
+they see the same load on a shared machine); tokens counts the output tokens up to and
+including EOS. Without the cache every step decodes the whole (max_length) output buffer,
 positions past the current one being PAD, which the decoder masks: one compilation, the same
 outputs as the cache (tests/test_decoding.py), and the work a fixed-shape program without a
 cache has to do.
@@ -14,7 +15,7 @@ cache has to do.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import flax.linen as nn
@@ -39,21 +40,16 @@ def output_tokens(out: np.ndarray) -> int:
   return int(lengths.sum())
 
 
-def run(s: common.Setup, params: Any, src: np.ndarray, beam_size: int,
-        use_cache: bool) -> dict[str, Any]:
+def prepare(s: common.Setup, params: Any, src: Any, beam_size: int,
+            use_cache: bool) -> tuple[dict[str, Any], Callable[[], None]]:
+  """Compiles one search: (facts, including its output length, and a call that runs it)."""
   search = decoding.compiled_search(s.model, beam_size, FLAGS.alpha, FLAGS.max_length,
                                     use_cache)
-  src = jax.device_put(src)
   compiled, compile_times = common.compile_jitted(search, params, src)
-  out = np.asarray(compiled(params, src))
-  times = common.time_calls(lambda: compiled(params, src).block_until_ready(),
-                            FLAGS.warmup, FLAGS.steps)
-  seconds = float(np.median(times))
-  tokens = output_tokens(out)
-  return {"beam_size": beam_size, "kv_cache": use_cache, **compile_times,
-          "call_time_ms": common.stats_ms(times),
-          "sentences_per_sec": src.shape[0] / seconds, "tokens_per_sec": tokens / seconds,
-          "mean_output_length": tokens / src.shape[0]}
+  tokens = output_tokens(np.asarray(compiled(params, src)))
+  info = {"beam_size": beam_size, "kv_cache": use_cache, **compile_times,
+          "output_tokens": tokens, "mean_output_length": tokens / src.shape[0]}
+  return info, lambda: compiled(params, src).block_until_ready()
 
 
 def main(argv: list[str]) -> None:
@@ -67,8 +63,17 @@ def main(argv: list[str]) -> None:
   src = common.random_batch(s, FLAGS.seed)["src"]
   params = jax.jit(lambda key: nn.meta.unbox(Transformer(s.model).init(
       key, src[:1], src[:1, :1])["params"]))(jax.random.PRNGKey(FLAGS.seed))
-  runs = [run(s, params, src, beam, cache)
-          for beam in (1, FLAGS.beam_size) for cache in (True, False)]
+  src = jax.device_put(src)
+  prepared = {(beam, cache): prepare(s, params, src, beam, cache)
+              for beam in (1, FLAGS.beam_size) for cache in (True, False)}
+  times = common.time_interleaved({key: call for key, (_, call) in prepared.items()},
+                                  FLAGS.warmup, FLAGS.steps)
+  runs = []
+  for key, (info, _) in prepared.items():
+    seconds = float(np.median(times[key]))
+    runs.append({**info, "call_time_ms": common.stats_ms(times[key]),
+                 "sentences_per_sec": src.shape[0] / seconds,
+                 "tokens_per_sec": info["output_tokens"] / seconds})
   speedups = {}
   for beam in (1, FLAGS.beam_size):
     cached, recomputed = (r for r in runs if r["beam_size"] == beam)

@@ -17,7 +17,7 @@ import contextlib
 import functools
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -168,18 +168,20 @@ def _train_step(s: common.Setup, batch: dict[str, np.ndarray], compiled: bool, d
   return model, step
 
 
-def run(s: common.Setup, batch: dict[str, np.ndarray], warmup: int, steps: int,
-        seed: int = 0) -> dict[str, Any]:
-  """Times eager and torch.compile train steps: {"eager": {...}, "compile": {...}}."""
+def prepare(s: common.Setup, batch: dict[str, np.ndarray],
+            seed: int = 0) -> tuple[dict[str, Any], dict[str, Callable[[], None]]]:
+  """Builds and runs once (compiling, under torch.compile) the eager and the compiled train
+  step: (facts, {"torch_eager": call, "torch_compile": call})."""
   import jax
-  device = "cuda" if jax.devices()[0].platform == "gpu" and torch.cuda.is_available() else "cpu"
   from transformer_jax.params import count_params
   from transformer_jax.modules.models import Transformer
+  device = "cuda" if jax.devices()[0].platform == "gpu" and torch.cuda.is_available() else "cpu"
   jax_params = count_params(jax.eval_shape(
       lambda: Transformer(s.model).init(jax.random.PRNGKey(0), batch["src"][:1],
                                         batch["tgt_in"][:1])["params"]))
-  results: dict[str, Any] = {"torch": torch.__version__, "device": device,
-                             "threads": torch.get_num_threads()}
+  info: dict[str, Any] = {"torch": torch.__version__, "device": device,
+                          "threads": torch.get_num_threads()}
+  calls = {}
   for mode in ("eager", "compile"):
     model, step = _train_step(s, batch, mode == "compile", device, seed)
     torch_params = sum(p.numel() for p in model.parameters())
@@ -188,22 +190,20 @@ def run(s: common.Setup, batch: dict[str, np.ndarray], warmup: int, steps: int,
                          f"{jax_params:,}: the architectures differ")
     start = time.perf_counter()
     step()                        # under torch.compile: compiles forward, backward, Adam
-    first = time.perf_counter() - start
-    times = common.time_calls(step, max(warmup - 1, 0), steps)
-    results[mode] = {"parameters": torch_params, "first_step_s": first,
-                     "step_time_ms": common.stats_ms(times)}
-  return results
+    info[mode] = {"parameters": torch_params, "first_step_s": time.perf_counter() - start}
+    calls[f"torch_{mode}"] = step
+  return info, calls
 
 
-def summarize(torch_results: dict[str, Any], jax_result: dict[str, Any],
+def summarize(info: dict[str, Any], times: dict[str, list[float]], jax_result: dict[str, Any],
               tokens: int) -> dict[str, Any]:
-  out = dict(torch_results)
-  jax_tokens = jax_result["tokens_per_sec"]
-  out["ratios"] = {}
+  out = {**info, "ratios": {}}
   for mode in ("eager", "compile"):
-    seconds = out[mode]["step_time_ms"]["median"] / 1000.0
-    out[mode]["tokens_per_sec"] = tokens / seconds
-    out["ratios"][f"jax_vs_torch_{mode}"] = jax_tokens / out[mode]["tokens_per_sec"]
+    stats = common.stats_ms(times[f"torch_{mode}"])
+    out[mode] = {**info[mode], "step_time_ms": stats,
+                 "tokens_per_sec": tokens / (stats["median"] / 1000.0)}
+    out["ratios"][f"jax_vs_torch_{mode}"] = (jax_result["tokens_per_sec"]
+                                             / out[mode]["tokens_per_sec"])
   return out
 
 

@@ -10,12 +10,14 @@ guard, state donated), run on one random batch kept on the device, so the figure
 step's compute, not the input pipeline. Model FLOPs: `transformer_jax.flops.model_flops`
 (6 N per token for the weights plus the attention terms, no causal halving);
 `hardware_flops_per_step` counts the traced program's matmuls, remat recomputation
-included. MFU = model FLOPs per second / the peak (see --peak_tflops).
+included. MFU = model FLOPs per second / the peak (see --peak_tflops). With --compare=torch the JAX,
+PyTorch-eager and torch.compile steps are timed in turns, step by step, so that on a shared
+machine all three see the same load.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import flax.linen as nn
@@ -38,7 +40,8 @@ flags.DEFINE_enum("compare", None, ["torch"], "Also run the same model in PyTorc
 FLAGS = flags.FLAGS
 
 
-def run_jax(s: common.Setup, batch: dict) -> dict[str, Any]:
+def prepare_jax(s: common.Setup, batch: dict) -> tuple[dict[str, Any], Callable[[], None]]:
+  """Compiles the trainer's step: (facts about it, a call that runs one step)."""
   cfg = s.config
   task = Seq2SeqTask(Transformer(s.model), cfg.label_smoothing)
   schedule = make_schedule(cfg.optimizer, s.model.d_model, cfg.num_train_steps)
@@ -49,17 +52,15 @@ def run_jax(s: common.Setup, batch: dict) -> dict[str, Any]:
   batch = jax.device_put(batch)
   step = make_train_step(task, optimizer, schedule, cfg.get("grad_accum_steps", 1))
   compiled, compile_times = common.compile_jitted(step, state, batch)
-  hardware_flops = matmul_flops(step, state, batch)
+  info = {"parameters": count_params(state.params), **compile_times,
+          "hardware_flops_per_step": matmul_flops(step, state, batch),
+          "compiled_memory": common.compiled_memory(compiled)}
 
-  def call():
+  def call() -> None:
     nonlocal state
     state, metrics = compiled(state, batch)
     jax.block_until_ready((state, metrics))
-  times = common.time_calls(call, FLAGS.warmup, FLAGS.steps)
-  return {"parameters": count_params(state.params), **compile_times,
-          "step_time_ms": common.stats_ms(times), "hardware_flops_per_step": hardware_flops,
-          "compiled_memory": common.compiled_memory(compiled),
-          "peak_memory_bytes": common.peak_memory_bytes()}
+  return info, call
 
 
 def main(argv: list[str]) -> None:
@@ -75,7 +76,16 @@ def main(argv: list[str]) -> None:
   flops = model_flops(s.model, s.batch_size, s.src_length, s.tgt_length)
   peak, peak_source = common.peak_tflops(s.model.dtype, FLAGS.peak_tflops)
 
-  jax_result = run_jax(s, batch)
+  jax_info, jax_call = prepare_jax(s, batch)
+  calls = {"jax": jax_call}
+  if FLAGS.compare == "torch":
+    from benchmarks import torch_reference
+    torch_info, torch_calls = torch_reference.prepare(s, batch, FLAGS.seed)
+    calls.update(torch_calls)
+  # In turns, so that JAX and PyTorch see the same load on a shared machine.
+  times = common.time_interleaved(calls, FLAGS.warmup, FLAGS.steps)
+  jax_result = {**jax_info, "step_time_ms": common.stats_ms(times["jax"]),
+                "peak_memory_bytes": common.peak_memory_bytes()}
   seconds = jax_result["step_time_ms"]["median"] / 1000.0
   achieved = flops["total"] / seconds / 1e12
   result = {
@@ -104,7 +114,8 @@ def main(argv: list[str]) -> None:
                 f"{s.model.fused_qkv}"),
       ("batch", f"{s.batch_size} x ({s.src_length} + {s.tgt_length}), {tokens:,} tokens"
                 f"{' (packed)' if FLAGS.packed else ''}"),
-      ("compile_s", f"{result['compile_s']:.2f} (lowering {result['lower_s']:.2f})"),
+      ("compile_s", f"{result['compile_s']:.2f} (lowering {result['lower_s']:.2f}; CPU time "
+                    f"{result['compile_cpu_s']:.2f})"),
       ("step_time", common.fmt_ms(result["step_time_ms"])),
       ("tokens_per_sec", f"{result['tokens_per_sec']:,.0f}"),
       ("model_flops_per_step", f"{flops['total']:.4g} (hardware {result['hardware_flops_per_step']:.4g})"),
@@ -117,9 +128,7 @@ def main(argv: list[str]) -> None:
     rows.append(("compiled_memory", f"{result['compiled_memory']['total_bytes'] / 2**20:,.0f} "
                                     "MiB (XLA plan: arguments + outputs + temporaries)"))
   if FLAGS.compare == "torch":
-    from benchmarks import torch_reference
-    torch_results = torch_reference.run(s, batch, FLAGS.warmup, FLAGS.steps, FLAGS.seed)
-    result["compare"] = torch_reference.summarize(torch_results, result, tokens)
+    result["compare"] = torch_reference.summarize(torch_info, times, result, tokens)
     rows += torch_reference.table_rows(result["compare"])
   common.emit(result, rows)
 

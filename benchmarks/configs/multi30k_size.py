@@ -1,5 +1,5 @@
 """A Multi30k-size Transformer for benchmarks: d_model 256, 3+3 layers, 4 heads, d_ff 1024,
-8,000 shared vocabulary, 128 rows of 32 source + 32 target tokens (~4,096 tokens a side).
+8,000 shared vocabulary, batches of 64 rows of 32 source + 32 target tokens (4,096 tokens).
 
   python -m benchmarks.train_step --config=benchmarks/configs/multi30k_size.py
 
@@ -14,7 +14,7 @@ from configs import default
 
 def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
-  config.batch_size = 128
+  config.batch_size = 64
   config.label_smoothing = 0.1
   config.data = ml_collections.ConfigDict(dict(vocab_size=8000, max_length=32))
   config.model.update(dict(d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=3,
