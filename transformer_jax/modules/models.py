@@ -16,7 +16,8 @@ import flax.linen as nn
 from transformer_jax.config import PAD_ID, TransformerConfig
 from transformer_jax.modules.attention import (causal_mask, combine_masks, padding_mask,
                                                segment_mask)
-from transformer_jax.modules.embedding import InputEmbedding, token_embedding
+from transformer_jax.modules.embedding import (InputEmbedding, tied_projection,
+                                               token_embedding)
 from transformer_jax.modules.layers import DecoderLayer, EncoderLayer, layer_norm
 
 Array = jax.Array
@@ -130,7 +131,10 @@ class Decoder(nn.Module):
                      decode=decode)
     if cfg.norm_position == "pre":
       y = layer_norm(cfg, "final_norm")(y)
-    if cfg.tie_output:
+    if cfg.tie_output and train:
+      logits = tied_projection(y.astype(cfg.compute_dtype),
+                               embedding.embedding.astype(cfg.compute_dtype))
+    elif cfg.tie_output:
       logits = embedding.attend(y)
     else:
       logits = nn.Dense(
