@@ -37,7 +37,8 @@ def get_config() -> ml_collections.ConfigDict:
       dropout_rate=0.0, attention_dropout_rate=0.0, activation_dropout_rate=0.0,
       max_len=64, share_embeddings=True, tie_output=True, norm_position="post",
       positional="sinusoidal", activation="relu", attention_impl="xla",
-      dtype="float32", param_dtype="float32"))
+      dtype="float32", param_dtype="float32", scan_layers=False, remat_policy="none",
+      fused_qkv=False))
 
   config.optimizer = ml_collections.ConfigDict(dict(
       name="adam", b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.0,

@@ -42,7 +42,8 @@ def get_config(big: bool = False) -> ml_collections.ConfigDict:
       num_decoder_layers=6, dropout_rate=dropout, attention_dropout_rate=0.0,
       activation_dropout_rate=0.0, max_len=512, share_embeddings=True, tie_output=True,
       norm_position="post", positional="sinusoidal", activation="relu",
-      attention_impl="xla", dtype="float32", param_dtype="float32"))
+      attention_impl="xla", dtype="float32", param_dtype="float32", scan_layers=False,
+      remat_policy="none", fused_qkv=False))
 
   warmup = 4000
   config.optimizer = ml_collections.ConfigDict(dict(

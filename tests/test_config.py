@@ -117,6 +117,7 @@ def test_dropout_rate_bounds_that_are_allowed(field):
     ("attention_impl", "flash"),
     ("dtype", "float64"), ("dtype", "bf16"),
     ("param_dtype", "int8"),
+    ("remat_policy", "sometimes"), ("remat_policy", None),
 ])
 def test_unknown_choices_are_rejected(field, value):
   _raises_naming(field, **{field: value})
@@ -125,6 +126,8 @@ def test_unknown_choices_are_rejected(field, value):
 @pytest.mark.parametrize("field, value", [
     ("norm_position", "pre"), ("positional", "learned"), ("activation", "gelu"),
     ("attention_impl", "einsum"), ("attention_impl", "cudnn"), ("dtype", "bfloat16"),
+    ("remat_policy", "full"), ("remat_policy", "dots"), ("remat_policy", "dots_no_batch"),
+    ("scan_layers", True), ("fused_qkv", True),
 ])
 def test_known_choices_are_accepted(field, value):
   assert getattr(TransformerConfig(vocab_size=V, **{field: value}), field) == value
@@ -142,6 +145,12 @@ def test_share_embeddings_needs_equal_vocabularies():
 @pytest.mark.parametrize("value", [0, -3, 2.5, True])
 def test_target_vocab_size_must_be_positive(value):
   _raises_naming("target_vocab_size", target_vocab_size=value, share_embeddings=False)
+
+
+@pytest.mark.parametrize("field", ["scan_layers", "fused_qkv"])
+@pytest.mark.parametrize("value", [1, "True", None])
+def test_speed_flags_must_be_booleans(field, value):
+  _raises_naming(field, **{field: value})
 
 
 @pytest.mark.parametrize("value", [0, -1e-6])

@@ -115,16 +115,16 @@ def teacher_forced_log_prob(cfg, params, src: np.ndarray, out: np.ndarray,
 # ------------------------------------------------------------------- cache vs full decoder
 @functools.lru_cache(maxsize=None)
 def _cached_log_probs_fn(cfg: TransformerConfig, max_length: int):
-  """Runs _init_cache then _step_fn over every position of a teacher-forced target."""
+  """Creates the cache, then steps it over every position of a teacher-forced target."""
   model = Transformer(cfg)
 
   def run(params, src, tgt):
     encoded = model.apply({"params": params}, src, method=Transformer.encode)
-    cache = decoding._init_cache(model, params, encoded, src, max_length)
-    step = decoding._step_fn(model, params, src)
+    stepper = decoding._cached_stepper(model, params, encoded, src, max_length, beams=1)
+    cache = stepper.carry
     outs = []
     for i in range(tgt.shape[1]):
-      log_probs, cache = step(cache, tgt[:, i], jnp.array(i))
+      log_probs, cache = stepper.step(cache, tgt, tgt[:, i], jnp.array(i))
       outs.append(log_probs)
     return jnp.stack(outs, 1)
   return jax.jit(run)
@@ -163,11 +163,11 @@ def test_cross_attention_keys_values_are_cached_once():
   @jax.jit
   def init_and_step(params, src):
     encoded = model.apply({"params": params}, src, method=Transformer.encode)
-    cache = decoding._init_cache(model, params, encoded, src, MAX_LENGTH)
-    # A step without the encoder output (_step_fn passes encoded=None) reads the cache.
-    step = decoding._step_fn(model, params, src)
-    log_probs, new_cache = step(cache, jnp.full((src.shape[0],), BOS_ID, jnp.int32),
-                                jnp.array(0))
+    stepper = decoding._cached_stepper(model, params, encoded, src, MAX_LENGTH, beams=1)
+    cache = stepper.carry
+    # A step without the encoder output (the stepper passes encoded=None) reads the cache.
+    bos = jnp.full((src.shape[0],), BOS_ID, jnp.int32)
+    log_probs, new_cache = stepper.step(cache, bos[:, None], bos, jnp.array(0))
     full = jax.nn.log_softmax(model.apply({"params": params}, src,
                                           jnp.full((src.shape[0], 1), BOS_ID, jnp.int32)))
     return encoded, cache, log_probs, new_cache, full[:, 0]
@@ -324,3 +324,39 @@ def test_pad_and_bos_are_never_decoded(beam_size):
   for row, n in zip(out, lengths):
     n = n or len(row)  # No EOS: the whole row is output.
     assert (row[:n] != PAD_ID).all() and (row != BOS_ID).all(), row
+
+
+# ------------------------------------------- without the cache; scanned and fused layouts
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_decoding_without_cache_equals_cached(beam_size):
+  """Recomputing the decoder over the prefix at every step (the benchmark's baseline) gives
+  the same outputs as the KV cache."""
+  ended = 0
+  for seed, eos_bias in [(1, 0.5), (2, 1.0), (3, 2.0)]:   # varied outputs, some with EOS
+    params, src = biased_params(seed, eos_bias), random_src(600 + seed)
+    cached = decoding.generate(UNTIED, params, src, max_length=MAX_LENGTH, beam_size=beam_size)
+    recomputed = decoding.generate(UNTIED, params, src, max_length=MAX_LENGTH,
+                                   beam_size=beam_size, use_cache=False)
+    np.testing.assert_array_equal(recomputed, cached, err_msg=f"seed {seed}")
+    ended += int((first_eos_lengths(cached) > 0).sum())
+    assert len({tuple(row) for row in cached}) > 1        # outputs depend on the source
+  assert ended > 0
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_scanned_fused_layers_decode_the_same(beam_size):
+  """The cache works through nn.scan (a leading layer axis on every cache array, beams
+  gathered along the batch axis behind it) and with the fused QKV projection."""
+  from transformer_jax.params import fuse_qkv, stack_layers
+  cfg = small_config(tie_output=False, num_decoder_layers=2)
+  fast = cfg.replace(scan_layers=True, fused_qkv=True)
+  base = init_params(cfg, 1)
+  bias = base["decoder"]["output_projection"]["bias"].at[EOS_ID].add(1.0).at[PAD_ID].set(-1e4)
+  params = {**base, "decoder": {**base["decoder"], "output_projection": {
+      **base["decoder"]["output_projection"], "bias": bias}}}
+  src = random_src(700)
+  expected = decoding.generate(cfg, params, src, max_length=MAX_LENGTH, beam_size=beam_size)
+  actual = decoding.generate(fast, fuse_qkv(stack_layers(params)), src, max_length=MAX_LENGTH,
+                             beam_size=beam_size)
+  np.testing.assert_array_equal(actual, expected)
+  assert len({tuple(row) for row in expected}) > 1 and (first_eos_lengths(expected) > 0).any()

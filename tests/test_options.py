@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import (VOCAB, assert_close, random_tokens, requires_gpu, tiny_config,
-                      transformer_apply, transformer_variables)
+from conftest import (VOCAB, assert_close, random_tokens, tiny_config, transformer_apply,
+                      transformer_variables)
 from transformer_jax import Transformer
 
 # (id, config overrides, train). Every non-default value of every choice field appears.
@@ -27,14 +27,17 @@ OPTIONS = [
     ("dropout", dict(dropout_rate=0.2), True),
     ("attention-dropout", dict(attention_dropout_rate=0.2), True),
     ("activation-dropout", dict(activation_dropout_rate=0.2), True),
+    # On a GPU this runs cuDNN; elsewhere it checks the fallback to XLA.
     ("attention=cudnn", dict(attention_impl="cudnn", dtype="bfloat16"), False),
+    # Speed features (each remat policy is checked in test_speed_features.py).
+    ("scan+remat+fused_qkv", dict(scan_layers=True, remat_policy="full", fused_qkv=True,
+                                  dropout_rate=0.2), True),
 ]
-DROPOUT_OPTIONS = [o for o in OPTIONS if o[2]]
+DROPOUT_OPTIONS = [o for o in OPTIONS if "dropout" in o[0]]
 
 
 def _params(options):
-  return [pytest.param(*o, id=o[0], marks=requires_gpu if "cudnn" in o[0] else ())
-          for o in options]
+  return [pytest.param(*o, id=o[0]) for o in options]
 
 
 def _data(cfg):

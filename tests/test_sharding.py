@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -240,3 +241,25 @@ def test_decoding_a_sharded_model_matches_one_device(reference, beam_size):
   params = jax.device_put(ref_state.params, state_sharding.params)
   got = decoding.generate(cfg, params, src, max_length=8, beam_size=beam_size)
   np.testing.assert_array_equal(got, want)
+
+
+# ---------------------------------------------------------------- speed-option layouts
+@needs_8_devices
+def test_scanned_fused_model_shards_and_matches_one_device():
+  """scan_layers adds a leading 'layers' axis and fused_qkv a 'qkv' axis: both stay whole
+  (replicated), the other axes shard as the rules say, and the sharded model computes the
+  one-device loss."""
+  cfg = CFG.replace(scan_layers=True, fused_qkv=True, dropout_rate=0.0)
+  task = Seq2SeqTask(Transformer(cfg), label_smoothing=0.1)
+  batch = _batch()
+  params = task.init_params(jax.random.PRNGKey(0), batch)
+  want = make_eval_step(task)(nn.meta.unbox(params), batch)
+  mesh = sharding.make_mesh(dict(data=2, fsdp=2, tensor=2))
+  state, state_sharding = sharding.create_sharded(
+      lambda: new_train_state(task.init_params(jax.random.PRNGKey(0), batch), OPTIMIZER, 0),
+      mesh)
+  qkv = state_sharding.params["encoder"]["layers"]["self_attention"]["qkv"]["kernel"].spec
+  assert tuple(qkv) == (None, "fsdp", None, "tensor", None)   # layers, embed, qkv, heads, kv
+  got = make_eval_step(task, state_sharding.params, sharding.batch_sharding(mesh))(
+      state.params, sharding.to_global(batch, mesh))
+  jax.tree_util.tree_map(lambda a, b: assert_close(a, b, rtol=1e-5), got, want)

@@ -23,6 +23,7 @@ _CHOICES = {
     "positional": ("sinusoidal", "learned"),
     "activation": ("relu", "gelu"),
     "attention_impl": ("einsum", "xla", "cudnn"),
+    "remat_policy": ("none", "full", "dots", "dots_no_batch"),
 }
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -48,11 +49,21 @@ class TransformerConfig:
     norm_position: "post" (paper: LayerNorm(x + Sublayer(x))) or "pre" (with a final norm).
     positional: "sinusoidal" (paper §3.5) or "learned".
     activation: feed-forward nonlinearity, "relu" (paper) or "gelu".
-    attention_impl: "xla" or "cudnn" (both through jax.nn.dot_product_attention) or
-      "einsum" (explicit; the only path that can return attention weights).
+    attention_impl: "xla" or "cudnn" (both through jax.nn.dot_product_attention; "cudnn"
+      falls back to "xla" where the backend, dtype or shapes do not allow it) or "einsum"
+      (explicit; the only path that can return attention weights).
     dtype: compute dtype name ("float32" or "bfloat16"); parameters stay `param_dtype`.
     param_dtype: parameter storage dtype name.
     layer_norm_epsilon: LayerNorm epsilon.
+    scan_layers: run each stack as one `nn.scan` over a layer with stacked parameters
+      (leading logical axis "layers"), so compile time barely grows with depth. Parameters
+      convert to and from the unrolled layout with `transformer_jax.params.stack_layers` /
+      `unstack_layers`.
+    remat_policy: rematerialise each layer's activations in the backward pass: "none",
+      "full" (save nothing), "dots" (save matmul outputs), "dots_no_batch" (save only
+      matmuls without batch dimensions, i.e. not attention scores).
+    fused_qkv: self-attention projects query, key and value with one (d_model, 3, heads,
+      d_k) kernel named "qkv" (convert with `params.fuse_qkv` / `split_qkv`).
   """
 
   vocab_size: int
@@ -75,6 +86,9 @@ class TransformerConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   layer_norm_epsilon: float = 1e-6
+  scan_layers: bool = False
+  remat_policy: str = "none"
+  fused_qkv: bool = False
 
   # ----------------------------------------------------------------------------- presets
   @classmethod
@@ -153,6 +167,9 @@ class TransformerConfig:
         fail(field, "must be a number in [0, 1)")
     if not isinstance(self.layer_norm_epsilon, (int, float)) or self.layer_norm_epsilon <= 0:
       fail("layer_norm_epsilon", "must be a positive number")
+    for field in ("scan_layers", "fused_qkv"):
+      if not isinstance(getattr(self, field), bool):
+        fail(field, "must be True or False")
     for field, choices in _CHOICES.items():
       if getattr(self, field) not in choices:
         fail(field, f"must be one of {choices}")

@@ -3,7 +3,10 @@
 The encoder runs once per source. The decoder cache holds, per layer, the self-attention
 keys/values written so far and the cross-attention keys/values projected once from the
 encoder output (Flax's WMT example recomputes those at every step). Each search is a single
-`lax.while_loop`, so a batch shape compiles once.
+`lax.while_loop`, so a batch shape compiles once. With `use_cache=False` each step instead
+runs the whole decoder over the (max_length) output buffer and reads the logits at the
+current position: the same outputs, at the cost of recomputing the prefix (the baseline of
+`benchmarks/decode.py`).
 
 Outputs are (B, max_length) token ids without BOS, ending with EOS where the model emitted
 one, padded with PAD after it.
@@ -12,7 +15,7 @@ one, padded with PAD after it.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,25 +33,72 @@ def length_penalty(length: Array, alpha: float) -> Array:
   return ((5.0 + length) / 6.0) ** alpha
 
 
-def _init_cache(model: Transformer, params: Any, encoded: Array, src: Array,
-                max_length: int) -> Any:
-  """Creates the decoder cache. The call runs the decoder on a dummy full-length target;
-  under jit everything except the cross-attention projections is dead code and removed."""
+class _Stepper(NamedTuple):
+  """One decoding step, with or without the KV cache. `carry` is the cache (or, without it,
+  the encoder output); `step(carry, outputs (B', L), last (B',), i)` returns log-probs
+  (B', V) float32 for position i and the new carry; `reorder(carry, beams (B, K))` follows
+  the beams that survive."""
+  carry: Any
+  step: Callable[[Any, Array, Array, Array], tuple[Array, Any]]
+  reorder: Callable[[Any, Array], Any]
+
+
+def _cached_stepper(model: Transformer, params: Any, encoded: Array, src: Array,
+                    max_length: int, beams: int) -> _Stepper:
+  """The decoder's KV cache, created by running it on a dummy full-length target (under jit
+  everything except the cross-attention projections is dead code and removed). The cache is
+  replicated per beam after the cross projections: they are computed once per source."""
+  batch_axis = 1 if model.config.scan_layers else 0   # scanned caches lead with layers
   dummy = jnp.zeros((src.shape[0], max_length), jnp.int32)
   _, variables = model.apply({"params": params}, encoded, src, dummy, decode=True,
                              method=Transformer.decode, mutable=["cache"])
-  return variables["cache"]
+  cache = _map_batch(lambda x: jnp.repeat(x, beams, axis=batch_axis), variables["cache"])
+  src = jnp.repeat(src, beams, axis=0)
 
-
-def _step_fn(model: Transformer, params: Any, src: Array) -> Callable:
-  """(cache, tokens (B,), position) -> (log-probs (B, V) float32, new cache)."""
-  def step(cache: Any, tokens: Array, position: Array) -> tuple[Array, Any]:
-    positions = jnp.full((tokens.shape[0], 1), position, jnp.int32)
+  def step(cache: Any, outputs: Array, last: Array, i: Array) -> tuple[Array, Any]:
+    del outputs  # The cache holds the prefix.
+    positions = jnp.full((last.shape[0], 1), i, jnp.int32)
     logits, variables = model.apply(
-        {"params": params, "cache": cache}, None, src, tokens[:, None],
+        {"params": params, "cache": cache}, None, src, last[:, None],
         tgt_positions=positions, decode=True, method=Transformer.decode, mutable=["cache"])
     return jax.nn.log_softmax(logits[:, 0]), variables["cache"]
-  return step
+
+  def reorder(cache: Any, indices: Array) -> Any:
+    return _map_batch(lambda x: _gather_beams(x, indices, batch_axis), cache)
+
+  return _Stepper(cache, step, reorder)
+
+
+def _recompute_stepper(model: Transformer, params: Any, encoded: Array, src: Array,
+                       beams: int) -> _Stepper:
+  """No cache: every step decodes BOS + the outputs so far (later positions are PAD, which
+  the decoder masks) through all layers, cross-attention projections included."""
+  encoded, src = jnp.repeat(encoded, beams, axis=0), jnp.repeat(src, beams, axis=0)
+
+  def step(encoded: Array, outputs: Array, last: Array, i: Array) -> tuple[Array, Array]:
+    del last  # Already in `outputs`.
+    bos = jnp.full((outputs.shape[0], 1), BOS_ID, jnp.int32)
+    inputs = jnp.concatenate([bos, outputs[:, :-1]], axis=1)
+    logits = model.apply({"params": params}, encoded, src, inputs,
+                         method=Transformer.decode)
+    return jax.nn.log_softmax(jax.lax.dynamic_index_in_dim(logits, i, 1, False)), encoded
+
+  # All beams of a source share its encoder output, so reordering beams changes nothing.
+  return _Stepper(encoded, step, lambda encoded, indices: encoded)
+
+
+def _stepper(model: Transformer, params: Any, src: Array, max_length: int, beams: int,
+             use_cache: bool) -> _Stepper:
+  encoded = model.apply({"params": params}, src, method=Transformer.encode)
+  if use_cache:
+    return _cached_stepper(model, params, encoded, src, max_length, beams)
+  return _recompute_stepper(model, params, encoded, src, beams)
+
+
+def _map_batch(fn: Callable[[Array], Array], cache: Any) -> Any:
+  """Applies fn to every cache array that has a batch axis (all but "cache_index")."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: x if getattr(path[-1], "key", None) == "cache_index" else fn(x), cache)
 
 
 def _ban_special(log_probs: Array) -> Array:
@@ -58,44 +108,42 @@ def _ban_special(log_probs: Array) -> Array:
   return log_probs.at[:, jnp.array([PAD_ID, BOS_ID])].set(NEG_INF)
 
 
-def greedy_search(model: Transformer, params: Any, src: Array,
-                  max_length: int) -> Array:
+def greedy_search(model: Transformer, params: Any, src: Array, max_length: int,
+                  use_cache: bool = True) -> Array:
   """Greedy decoding: (B, S) source ids -> (B, max_length) output ids."""
   batch = src.shape[0]
-  encoded = model.apply({"params": params}, src, method=Transformer.encode)
-  step = _step_fn(model, params, src)
+  stepper = _stepper(model, params, src, max_length, 1, use_cache)
 
   def cond(state):
     i, _, _, finished, _ = state
     return (i < max_length) & ~finished.all()
 
   def body(state):
-    i, last, output, finished, cache = state
-    log_probs, cache = step(cache, last, i)
+    i, last, output, finished, carry = state
+    log_probs, carry = stepper.step(carry, output, last, i)
     log_probs = _ban_special(log_probs)
     token = jnp.where(finished, PAD_ID, jnp.argmax(log_probs, -1).astype(jnp.int32))
     output = output.at[:, i].set(token)
-    return i + 1, token, output, finished | (token == EOS_ID), cache
+    return i + 1, token, output, finished | (token == EOS_ID), carry
 
   state = (jnp.array(0), jnp.full((batch,), BOS_ID, jnp.int32),
            jnp.zeros((batch, max_length), jnp.int32), jnp.zeros((batch,), bool),
-           _init_cache(model, params, encoded, src, max_length))
+           stepper.carry)
   return jax.lax.while_loop(cond, body, state)[2]
 
 
-def _gather_beams(tree: Any, indices: Array, batch: int, beams_in: int) -> Any:
-  """Selects beams along the flattened (B * beams_in) leading axis: indices (B, K)."""
-  def gather(x):
-    if x.ndim == 0:  # cache_index: shared by all beams.
-      return x
-    x = x.reshape((batch, beams_in) + x.shape[1:])
-    x = jnp.take_along_axis(x, indices.reshape(indices.shape + (1,) * (x.ndim - 2)), axis=1)
-    return x.reshape((batch * indices.shape[1],) + x.shape[2:])
-  return jax.tree_util.tree_map(gather, tree)
+def _gather_beams(x: Array, indices: Array, axis: int) -> Array:
+  """Selects beams along the flattened (B * beams_in) axis `axis` of x: indices (B, K)."""
+  x = jnp.moveaxis(x, axis, 0)
+  batch = indices.shape[0]
+  x = x.reshape((batch, -1) + x.shape[1:])
+  x = jnp.take_along_axis(x, indices.reshape(indices.shape + (1,) * (x.ndim - 2)), axis=1)
+  return jnp.moveaxis(x.reshape((batch * indices.shape[1],) + x.shape[2:]), 0, axis)
 
 
 def beam_search(model: Transformer, params: Any, src: Array, max_length: int,
-                beam_size: int = 4, alpha: float = 0.6) -> tuple[Array, Array]:
+                beam_size: int = 4, alpha: float = 0.6,
+                use_cache: bool = True) -> tuple[Array, Array]:
   """Beam search: (B, S) -> best sequences (B, max_length) and their scores (B,).
 
   As in fairseq, EOS among the top K candidates moves a hypothesis to the finished set
@@ -104,12 +152,7 @@ def beam_search(model: Transformer, params: Any, src: Array, max_length: int,
   source is done or at max_length. With K = 1 this is exactly greedy search.
   """
   batch, k = src.shape[0], beam_size
-  encoded = model.apply({"params": params}, src, method=Transformer.encode)
-  cache = _init_cache(model, params, encoded, src, max_length)
-  # Replicate per beam after the cross projections: they are computed once per source.
-  cache = jax.tree_util.tree_map(lambda x: x if x.ndim == 0 else jnp.repeat(x, k, axis=0),
-                                 cache)
-  step = _step_fn(model, params, jnp.repeat(src, k, axis=0))
+  stepper = _stepper(model, params, src, max_length, k, use_cache)
   max_penalty = length_penalty(jnp.float32(max_length), alpha)
 
   def is_done(finished_scores):
@@ -120,8 +163,9 @@ def beam_search(model: Transformer, params: Any, src: Array, max_length: int,
     return (i < max_length) & ~is_done(finished_scores).all()
 
   def body(state):
-    i, alive_seqs, alive_logp, finished_seqs, finished_scores, last, cache = state
-    log_probs, cache = step(cache, last.reshape(-1), i)                   # (B*K, V)
+    i, alive_seqs, alive_logp, finished_seqs, finished_scores, last, carry = state
+    log_probs, carry = stepper.step(carry, alive_seqs.reshape(batch * k, -1), last.reshape(-1),
+                                    i)                                    # (B*K, V)
     log_probs = _ban_special(log_probs)
     vocab = log_probs.shape[-1]
     candidates = (alive_logp[:, :, None] + log_probs.reshape(batch, k, vocab))
@@ -135,7 +179,7 @@ def beam_search(model: Transformer, params: Any, src: Array, max_length: int,
     alive_logp, choice = jax.lax.top_k(jnp.where(is_eos, NEG_INF, top_logp), k)
     alive_seqs = jnp.take_along_axis(top_seqs, choice[:, :, None], axis=1)
     last = jnp.take_along_axis(top_token, choice, axis=1)
-    cache = _gather_beams(cache, jnp.take_along_axis(top_beam, choice, axis=1), batch, k)
+    carry = stepper.reorder(carry, jnp.take_along_axis(top_beam, choice, axis=1))
 
     # Finished: EOS among the top K candidates of a source that is not done yet.
     can_finish = is_eos & (jnp.arange(2 * k) < k)[None] & ~is_done(finished_scores)[:, None]
@@ -144,13 +188,13 @@ def beam_search(model: Transformer, params: Any, src: Array, max_length: int,
     seqs = jnp.concatenate([finished_seqs, top_seqs], axis=1)
     finished_scores, keep = jax.lax.top_k(scores, k)
     finished_seqs = jnp.take_along_axis(seqs, keep[:, :, None], axis=1)
-    return i + 1, alive_seqs, alive_logp, finished_seqs, finished_scores, last, cache
+    return i + 1, alive_seqs, alive_logp, finished_seqs, finished_scores, last, carry
 
   init_logp = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch, 1))
   state = (jnp.array(0), jnp.zeros((batch, k, max_length), jnp.int32), init_logp,
            jnp.zeros((batch, k, max_length), jnp.int32),
            jnp.full((batch, k), NEG_INF, jnp.float32),
-           jnp.full((batch, k), BOS_ID, jnp.int32), cache)
+           jnp.full((batch, k), BOS_ID, jnp.int32), stepper.carry)
   _, alive_seqs, alive_logp, finished_seqs, finished_scores, _, _ = jax.lax.while_loop(
       cond, body, state)
 
@@ -162,25 +206,27 @@ def beam_search(model: Transformer, params: Any, src: Array, max_length: int,
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(config: TransformerConfig, beam_size: int, alpha: float,
-              max_length: int) -> Callable:
+def compiled_search(config: TransformerConfig, beam_size: int, alpha: float,
+                    max_length: int, use_cache: bool = True) -> Callable:
+  """jax.jit of `(params, src) -> outputs`: greedy for beam_size 1, else beam search."""
   model = Transformer(config)
   if beam_size == 1:
-    fn = lambda params, src: greedy_search(model, params, src, max_length)
+    fn = lambda params, src: greedy_search(model, params, src, max_length, use_cache)
   else:
-    fn = lambda params, src: beam_search(model, params, src, max_length, beam_size, alpha)[0]
+    fn = lambda params, src: beam_search(model, params, src, max_length, beam_size, alpha,
+                                         use_cache)[0]
   return jax.jit(fn)
 
 
 def generate(config: TransformerConfig, params: Any, src: Any, *, max_length: int,
-             beam_size: int = 4, alpha: float = 0.6) -> np.ndarray:
+             beam_size: int = 4, alpha: float = 0.6, use_cache: bool = True) -> np.ndarray:
   """Jitted decoding of a (B, S) batch of checked source ids; beam_size 1 is greedy.
-  Compiles once per (config, beam, alpha, max_length, batch shape)."""
+  Compiles once per (config, beam, alpha, max_length, use_cache, batch shape)."""
   if max_length > config.max_len:
     raise ValueError(f"max_length={max_length} exceeds the model's max_len={config.max_len}")
   if beam_size < 1:
     raise ValueError(f"beam_size={beam_size}: must be >= 1")
-  fn = _compiled(config, int(beam_size), float(alpha), int(max_length))
+  fn = compiled_search(config, int(beam_size), float(alpha), int(max_length), bool(use_cache))
   return np.asarray(fn(params, jnp.asarray(src, jnp.int32)))
 
 

@@ -7,6 +7,10 @@ broadcast over heads.
 
 from __future__ import annotations
 
+import functools
+import warnings
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
@@ -65,20 +69,49 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | 
   """Attention output (B, T, N, H).
 
   "einsum" is the explicit path of `attention_weights`; "xla" and "cudnn" go through
-  `jax.nn.dot_product_attention` (cuDNN flash attention on GPU where shapes allow).
+  `jax.nn.dot_product_attention`. "cudnn" (cuDNN flash attention) runs where the backend is
+  an NVIDIA GPU and cuDNN accepts the dtype and shapes (bf16/fp16, head dim a multiple of 8,
+  ...); elsewhere it falls back to "xla" with a warning naming the reason.
   """
   if implementation == "einsum":
     weights = attention_weights(query, key, mask)
     return jnp.einsum("bnts,bsnh->btnh", weights, value)
   if mask is not None:
     mask = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
-  return jax.nn.dot_product_attention(query, key, value, mask=mask,
-                                      implementation=implementation)
+  if implementation == "cudnn":
+    if jax.default_backend() != "gpu":
+      _warn_fallback(f"the backend is {jax.default_backend()!r}, not an NVIDIA GPU")
+    else:
+      try:  # cuDNN checks dtype and shapes when the call is traced.
+        return jax.nn.dot_product_attention(query, key, value, mask=mask,
+                                            implementation="cudnn")
+      except (NotImplementedError, ValueError, RuntimeError) as e:
+        # A genuine input error raises again from the XLA path below.
+        _warn_fallback(f"{type(e).__name__}: {e}")
+  return jax.nn.dot_product_attention(query, key, value, mask=mask, implementation="xla")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(reason: str) -> None:
+  """Warns once per distinct reason (tracing can hit the same fallback many times)."""
+  warnings.warn(f"attention_impl='cudnn' falls back to 'xla': {reason}", stacklevel=3)
 
 
 # ----------------------------------------------------------------------- multi-head module
+def _stacked(init: Callable, count: int) -> Callable:
+  """Initialiser of a flat (fan_in, count * F) kernel as `count` independent (fan_in, F)
+  kernels side by side (DenseGeneral initialises the flattened kernel)."""
+  def stacked_init(key: Array, shape: tuple[int, int], dtype=jnp.float32) -> Array:
+    parts = [init(k, (shape[0], shape[1] // count), dtype)
+             for k in jax.random.split(key, count)]
+    return jnp.concatenate(parts, axis=1)
+  return stacked_init
+
+
+
 class MultiHeadAttention(nn.Module):
-  """Multi-head attention with separate Q/K/V/output projections (paper §3.2.2).
+  """Multi-head attention with Q/K/V/output projections (paper §3.2.2); with
+  `config.fused_qkv`, self-attention computes Q, K and V with one matmul.
 
   `kind` is "self" or "cross". With `decode=True` the module keeps a 'cache' collection:
   self-attention appends one step's keys/values per call; cross-attention projects the
@@ -98,16 +131,33 @@ class MultiHeadAttention(nn.Module):
         kernel_init=partitioned(nn.initializers.xavier_uniform(), ("embed", "heads", "kv")),
         bias_init=partitioned(nn.initializers.zeros_init(), ("heads", "kv")))
 
+  def _fused_projection(self, inputs: Array) -> tuple[Array, Array, Array]:
+    """Query, key and value from one matmul with a (D, 3, N, H) kernel. Each slice is
+    initialised like a separate projection, so both layouts define the same model
+    (`params.fuse_qkv` maps one onto the other)."""
+    cfg = self.config
+    qkv = nn.DenseGeneral(
+        features=(3, cfg.num_heads, cfg.head_dim), dtype=cfg.compute_dtype,
+        param_dtype=cfg.params_dtype, name="qkv",
+        kernel_init=partitioned(_stacked(nn.initializers.xavier_uniform(), 3),
+                                ("embed", "qkv", "heads", "kv")),
+        bias_init=partitioned(nn.initializers.zeros_init(), ("qkv", "heads", "kv")))(inputs)
+    return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]                  # (B, T, N, H) each
+
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array | None, mask: Array | None = None, *,
                train: bool = False, decode: bool = False) -> Array:
     cfg = self.config
-    query = self._projection("query")(inputs_q)                      # (B, T, N, H)
     if self.kind == "cross":
+      query = self._projection("query")(inputs_q)                    # (B, T, N, H)
       key, value = self._cross_keys_values(inputs_kv, decode)
     else:
-      key = self._projection("key")(inputs_q)
-      value = self._projection("value")(inputs_q)
+      if cfg.fused_qkv:
+        query, key, value = self._fused_projection(inputs_q)
+      else:
+        query = self._projection("query")(inputs_q)
+        key = self._projection("key")(inputs_q)
+        value = self._projection("value")(inputs_q)
       if decode:
         key, value, mask = self._append_to_cache(key, value, mask)
 

@@ -24,6 +24,31 @@ def sinusoidal_table(max_len: int, d_model: int) -> np.ndarray:
   return table.astype(np.float32)
 
 
+@jax.custom_vjp
+def tied_projection(x: Array, table: Array) -> Array:
+  """Output projection tied to the embedding: x (..., D) @ table (V, D)^T -> (..., V).
+
+  Same values as `nn.Embed.attend`; only its gradient is arranged differently: the table's
+  gradient is computed as (x^T g)^T, so the compiler transposes the small (D, V) result
+  rather than the (tokens, V) cotangent, which XLA:CPU otherwise copies in full (about a
+  third of the output layer's backward time). Reverse-mode only (a custom VJP), so the
+  model uses it where gradients are taken, in training mode.
+  """
+  return jnp.einsum("...d,vd->...v", x, table)
+
+
+def _tied_projection_fwd(x: Array, table: Array) -> tuple[Array, tuple[Array, Array]]:
+  return tied_projection(x, table), (x, table)
+
+
+def _tied_projection_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+  x, table = residuals
+  return jnp.einsum("...v,vd->...d", g, table), jnp.einsum("...d,...v->dv", x, g).T
+
+
+tied_projection.defvjp(_tied_projection_fwd, _tied_projection_bwd)
+
+
 def token_embedding(config: TransformerConfig, vocab_size: int, name: str) -> nn.Embed:
   """Embedding table whose rows have norm ~1 after the sqrt(d_model) input scaling, so
   the tied output projection (x @ E^T) starts with unit-scale logits."""

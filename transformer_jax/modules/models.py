@@ -7,6 +7,8 @@ never crosses a segment boundary.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
@@ -14,7 +16,8 @@ import flax.linen as nn
 from transformer_jax.config import PAD_ID, TransformerConfig
 from transformer_jax.modules.attention import (causal_mask, combine_masks, padding_mask,
                                                segment_mask)
-from transformer_jax.modules.embedding import InputEmbedding, token_embedding
+from transformer_jax.modules.embedding import (InputEmbedding, tied_projection,
+                                               token_embedding)
 from transformer_jax.modules.layers import DecoderLayer, EncoderLayer, layer_norm
 
 Array = jax.Array
@@ -23,6 +26,42 @@ partitioned = nn.with_logical_partitioning
 
 def default_positions(tokens: Array) -> Array:
   return jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
+
+
+# Remat policies by config name (jax.checkpoint_policies); "none" means no remat.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def apply_layers(cfg: TransformerConfig, make_layer: Callable[[str], nn.Module],
+                 num_layers: int, x: Array, *args: Any, remat: bool = True,
+                 **static_kwargs: Any) -> Array:
+  """x -> layer_{n-1}(...layer_0(x, *args)...), each layer called with **static_kwargs.
+
+  Unrolled, the layers are submodules "layer_0", "layer_1", ...; with `cfg.scan_layers` one
+  `nn.scan` runs a single submodule "layers" whose parameters (and decoding cache) carry a
+  leading axis of size num_layers, named "layers" for sharding. `cfg.remat_policy` wraps
+  each layer in `nn.remat` (pass remat=False where no gradient is taken, e.g. decoding).
+  """
+  def body(layer: nn.Module, carry: Array, *xs: Any) -> tuple[Array, None]:
+    return layer(carry, *xs, **static_kwargs), None
+
+  if remat and cfg.remat_policy != "none":
+    # Inside scan the loop already stops XLA from merging recomputation with the forward
+    # pass, so the CSE barrier is only needed unrolled.
+    body = nn.remat(body, policy=REMAT_POLICIES[cfg.remat_policy],
+                    prevent_cse=not cfg.scan_layers)
+  if cfg.scan_layers:
+    scanned = nn.scan(body, variable_axes={"params": 0, "cache": 0, "intermediates": 0},
+                      split_rngs={"params": True, "dropout": True}, in_axes=nn.broadcast,
+                      length=num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+    return scanned(make_layer("layers"), x, *args)[0]
+  for i in range(num_layers):
+    x = body(make_layer(f"layer_{i}"), x, *args)[0]
+  return x
 
 
 def _segments(query_segments: Array | None, key_segments: Array | None) -> Array | None:
@@ -47,8 +86,8 @@ class Encoder(nn.Module):
     if positions is None:
       positions = default_positions(tokens)
     x = InputEmbedding(cfg, embedding, name="input_embedding")(tokens, positions, train=train)
-    for i in range(cfg.num_encoder_layers):
-      x = EncoderLayer(cfg, name=f"layer_{i}")(x, mask, train=train)
+    x = apply_layers(cfg, lambda name: EncoderLayer(cfg, name=name), cfg.num_encoder_layers,
+                     x, mask, train=train)
     if cfg.norm_position == "pre":
       x = layer_norm(cfg, "final_norm")(x)
     return x
@@ -87,12 +126,15 @@ class Decoder(nn.Module):
 
     y = InputEmbedding(cfg, embedding, name="input_embedding")(tgt_tokens, tgt_positions,
                                                                 train=train)
-    for i in range(cfg.num_decoder_layers):
-      y = DecoderLayer(cfg, name=f"layer_{i}")(y, encoded, self_mask, cross_mask,
-                                               train=train, decode=decode)
+    y = apply_layers(cfg, lambda name: DecoderLayer(cfg, name=name), cfg.num_decoder_layers,
+                     y, encoded, self_mask, cross_mask, remat=not decode, train=train,
+                     decode=decode)
     if cfg.norm_position == "pre":
       y = layer_norm(cfg, "final_norm")(y)
-    if cfg.tie_output:
+    if cfg.tie_output and train:
+      logits = tied_projection(y.astype(cfg.compute_dtype),
+                               embedding.embedding.astype(cfg.compute_dtype))
+    elif cfg.tie_output:
       logits = embedding.attend(y)
     else:
       logits = nn.Dense(

@@ -1,0 +1,222 @@
+"""The same train step in PyTorch, for `benchmarks.train_step --compare=torch`.
+
+`torch.nn.Transformer` with the JAX model's dimensions, vocabulary, dropout rates,
+activation and norm position; shared token embedding scaled by sqrt(d_model), sinusoidal (or
+learned) positions, output projection tied to the embedding, label-smoothed cross-entropy
+over non-padding targets, Adam with the config's betas/eps (and gradient clipping when the
+config clips). Post-LN stacks get no final LayerNorm, as in the paper and the JAX model, so
+both have exactly the same parameters (checked). Run eagerly and under `torch.compile`
+(the model with its loss, and the optimizer step), on the same batch, in the same process.
+
+PyTorch is an optional benchmark dependency: benchmarks/requirements-torch.txt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from benchmarks import common
+from transformer_jax.config import PAD_ID, TransformerConfig
+from transformer_jax.modules.embedding import sinusoidal_table
+
+try:
+  import torch
+  from torch import nn
+  import torch.nn.functional as F
+except ImportError as e:  # pragma: no cover - depends on the environment
+  raise SystemExit("--compare=torch needs PyTorch: pip install -r "
+                   "benchmarks/requirements-torch.txt") from e
+
+
+class TorchTransformer(nn.Module):
+  """The JAX `Transformer` (shared vocabulary) built from torch.nn.Transformer; forward
+  returns the mean label-smoothed loss over non-padding targets."""
+
+  def __init__(self, cfg: TransformerConfig, label_smoothing: float):
+    super().__init__()
+    if not (cfg.share_embeddings and cfg.tie_output):
+      raise SystemExit("--compare=torch supports shared, tied embeddings (the paper's)")
+    d, pre = cfg.d_model, cfg.norm_position == "pre"
+    self.d_model, self.label_smoothing = d, label_smoothing
+    self.embedding = nn.Embedding(cfg.vocab_size, d)
+    nn.init.normal_(self.embedding.weight, std=d ** -0.5)
+    if cfg.positional == "learned":    # one table per stack, as in the JAX model
+      self.positions = nn.ParameterDict({k: nn.Parameter(torch.randn(cfg.max_len, d) * 0.02)
+                                         for k in ("encoder", "decoder")})
+    else:
+      self.positions = None
+      self.register_buffer("sinusoids", torch.from_numpy(sinusoidal_table(cfg.max_len, d)))
+    self.dropout = nn.Dropout(cfg.dropout_rate)
+    # flax's gelu is the tanh approximation.
+    activation = (functools.partial(F.gelu, approximate="tanh") if cfg.activation == "gelu"
+                  else cfg.activation)
+    layer_args = dict(d_model=d, nhead=cfg.num_heads, dim_feedforward=cfg.d_ff,
+                      dropout=cfg.dropout_rate, activation=activation,
+                      layer_norm_eps=cfg.layer_norm_epsilon, batch_first=True, norm_first=pre)
+    final_norm = lambda: nn.LayerNorm(d, eps=cfg.layer_norm_epsilon) if pre else None
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(**layer_args),
+                                    cfg.num_encoder_layers, norm=final_norm(),
+                                    enable_nested_tensor=False)
+    decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(**layer_args),
+                                    cfg.num_decoder_layers, norm=final_norm())
+    self.transformer = nn.Transformer(d_model=d, nhead=cfg.num_heads, batch_first=True,
+                                      custom_encoder=encoder, custom_decoder=decoder)
+    # torch uses one rate everywhere; the JAX config separates attention-weight and
+    # feed-forward-activation dropout (0 in the paper) from residual dropout.
+    for layer in [*encoder.layers, *decoder.layers]:
+      layer.self_attn.dropout = cfg.attention_dropout_rate
+      if hasattr(layer, "multihead_attn"):
+        layer.multihead_attn.dropout = cfg.attention_dropout_rate
+      layer.dropout.p = cfg.activation_dropout_rate
+
+  def embed(self, tokens: torch.Tensor, stack: str) -> torch.Tensor:
+    table = self.sinusoids if self.positions is None else self.positions[stack]
+    x = self.embedding(tokens) * math.sqrt(self.d_model) + table[:tokens.shape[1]]
+    return self.dropout(x)
+
+  def logits(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+    length = tgt_in.shape[1]
+    causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=src.device), 1)
+    src_pad, tgt_pad = src == PAD_ID, tgt_in == PAD_ID
+    y = self.transformer(self.embed(src, "encoder"), self.embed(tgt_in, "decoder"),
+                         tgt_mask=causal,
+                         src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad,
+                         memory_key_padding_mask=src_pad, tgt_is_causal=True)
+    return F.linear(y, self.embedding.weight).float()
+
+  def forward(self, src: torch.Tensor, tgt_in: torch.Tensor,
+              tgt_out: torch.Tensor) -> torch.Tensor:
+    logits = self.logits(src, tgt_in)
+    # torch spreads the smoothing mass over all V classes, the JAX loss over the V - 1 wrong
+    # ones: the same cost, slightly different targets.
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1),
+                           ignore_index=PAD_ID, label_smoothing=self.label_smoothing,
+                           reduction="sum")
+    return loss / (tgt_out != PAD_ID).sum()
+
+  @torch.no_grad()
+  def load_jax_params(self, params: Any) -> None:
+    """Copies the JAX model's (unrolled, separate-QKV) parameters into this model."""
+    t = lambda x: torch.from_numpy(np.asarray(x, np.float32).copy())
+    dense = lambda linear, p: (linear.weight.copy_(t(p["kernel"]).reshape(
+        -1, linear.weight.shape[0]).T), linear.bias.copy_(t(p["bias"]).reshape(-1)))
+    norm = lambda ln, p: (ln.weight.copy_(t(p["scale"])), ln.bias.copy_(t(p["bias"])))
+
+    def attention(mha, p):
+      mha.in_proj_weight.copy_(torch.cat([t(p[k]["kernel"]).reshape(self.d_model, -1).T
+                                          for k in ("query", "key", "value")]))
+      mha.in_proj_bias.copy_(torch.cat([t(p[k]["bias"]).reshape(-1)
+                                        for k in ("query", "key", "value")]))
+      mha.out_proj.weight.copy_(t(p["out"]["kernel"]).reshape(-1, self.d_model).T)
+      mha.out_proj.bias.copy_(t(p["out"]["bias"]))
+
+    self.embedding.weight.copy_(t(params["shared_embedding"]["embedding"]))
+    for stack, torch_stack in (("encoder", self.transformer.encoder),
+                               ("decoder", self.transformer.decoder)):
+      if "final_norm" in params[stack]:
+        norm(torch_stack.norm, params[stack]["final_norm"])
+      learned = params[stack].get("input_embedding", {}).get("positional", {})
+      if learned:
+        self.positions[stack].copy_(t(learned["position_embedding"]))
+      for i, layer in enumerate(torch_stack.layers):
+        p = params[stack][f"layer_{i}"]
+        attention(layer.self_attn, p["self_attention"])
+        norm(layer.norm1, p["self_attention_norm"])
+        dense(layer.linear1, p["feed_forward"]["wi"])
+        dense(layer.linear2, p["feed_forward"]["wo"])
+        if stack == "decoder":
+          attention(layer.multihead_attn, p["cross_attention"])
+          norm(layer.norm2, p["cross_attention_norm"])
+          norm(layer.norm3, p["feed_forward_norm"])
+        else:
+          norm(layer.norm2, p["feed_forward_norm"])
+
+
+def _train_step(s: common.Setup, batch: dict[str, np.ndarray], compiled: bool, device: str,
+                seed: int):
+  """(model, step function): one Adam step on `batch` per call, synchronised."""
+  cfg = s.config
+  torch.manual_seed(seed)
+  model = TorchTransformer(s.model, cfg.label_smoothing).to(device).train()
+  opt_cfg = cfg.optimizer
+  lr = float(opt_cfg.learning_rate) if float(opt_cfg.learning_rate) > 0 else 1e-4
+  optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(opt_cfg.b1, opt_cfg.b2),
+                               eps=opt_cfg.eps)
+  tensors = [torch.from_numpy(batch[k]).long().to(device) for k in ("src", "tgt_in", "tgt_out")]
+  loss_fn = torch.compile(model) if compiled else model
+  opt_step = torch.compile(optimizer.step) if compiled else optimizer.step
+  clip = float(opt_cfg.clip_grad_norm or 0.0)
+  autocast = (torch.autocast(device_type=device, dtype=torch.bfloat16)
+              if s.model.dtype == "bfloat16" else contextlib.nullcontext())
+  sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+  def step() -> None:
+    optimizer.zero_grad(set_to_none=True)
+    with autocast:
+      loss = loss_fn(*tensors)
+    loss.backward()
+    if clip > 0:
+      nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt_step()
+    sync()
+  return model, step
+
+
+def prepare(s: common.Setup, batch: dict[str, np.ndarray],
+            seed: int = 0) -> tuple[dict[str, Any], dict[str, Callable[[], None]]]:
+  """Builds and runs once (compiling, under torch.compile) the eager and the compiled train
+  step: (facts, {"torch_eager": call, "torch_compile": call})."""
+  import jax
+  from transformer_jax.params import count_params
+  from transformer_jax.modules.models import Transformer
+  device = "cuda" if jax.devices()[0].platform == "gpu" and torch.cuda.is_available() else "cpu"
+  jax_params = count_params(jax.eval_shape(
+      lambda: Transformer(s.model).init(jax.random.PRNGKey(0), batch["src"][:1],
+                                        batch["tgt_in"][:1])["params"]))
+  info: dict[str, Any] = {"torch": torch.__version__, "device": device,
+                          "threads": torch.get_num_threads()}
+  calls = {}
+  for mode in ("eager", "compile"):
+    model, step = _train_step(s, batch, mode == "compile", device, seed)
+    torch_params = sum(p.numel() for p in model.parameters())
+    if torch_params != jax_params:
+      raise RuntimeError(f"PyTorch model has {torch_params:,} parameters, JAX model "
+                         f"{jax_params:,}: the architectures differ")
+    start = time.perf_counter()
+    step()                        # under torch.compile: compiles forward, backward, Adam
+    info[mode] = {"parameters": torch_params, "first_step_s": time.perf_counter() - start}
+    calls[f"torch_{mode}"] = step
+  return info, calls
+
+
+def summarize(info: dict[str, Any], times: dict[str, list[float]], jax_result: dict[str, Any],
+              tokens: int) -> dict[str, Any]:
+  out = {**info, "ratios": {}}
+  for mode in ("eager", "compile"):
+    stats = common.stats_ms(times[f"torch_{mode}"])
+    out[mode] = {**info[mode], "step_time_ms": stats,
+                 "tokens_per_sec": tokens / (stats["median"] / 1000.0)}
+    out["ratios"][f"jax_vs_torch_{mode}"] = (jax_result["tokens_per_sec"]
+                                             / out[mode]["tokens_per_sec"])
+  return out
+
+
+def table_rows(compare: dict[str, Any]) -> list[tuple[str, str]]:
+  rows = []
+  for mode in ("eager", "compile"):
+    r = compare[mode]
+    rows.append((f"torch {mode}", f"{common.fmt_ms(r['step_time_ms'])}, "
+                                  f"{r['tokens_per_sec']:,.0f} tokens/s, first step "
+                                  f"{r['first_step_s']:.1f} s"))
+  ratios = compare["ratios"]
+  rows.append(("jax / torch tokens/s", f"{ratios['jax_vs_torch_eager']:.2f}x eager, "
+                                       f"{ratios['jax_vs_torch_compile']:.2f}x torch.compile "
+                                       f"(torch {compare['torch']}, {compare['threads']} "
+                                       f"threads, {compare['device']})"))
+  return rows

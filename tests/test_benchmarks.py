@@ -1,0 +1,129 @@
+"""The benchmark tools: their JSON carries the promised fields with consistent values, packed
+benchmark batches are well formed, and the PyTorch reference is the same model as ours."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from transformer_jax import Transformer
+from transformer_jax.config import BOS_ID, PAD_ID
+from transformer_jax.flops import model_flops
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--config=configs/default.py", "--config.model.d_model=32", "--config.model.d_ff=64",
+        "--config.model.num_heads=2", "--config.model.num_encoder_layers=1",
+        "--config.model.num_decoder_layers=2", "--batch_size=3", "--warmup=1", "--steps=2"]
+
+
+def _run(module: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+  env = {**os.environ, "PYTHONPATH": ROOT}
+  result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+  if check:
+    assert result.returncode == 0, result.stderr[-3000:]
+  return result
+
+
+def test_train_step_json_has_consistent_fields():
+  out = _run("benchmarks.train_step", *TINY, "--scan", "--remat=full", "--fused_qkv",
+             "--peak_tflops=2.5", "--json")
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  model = r["model"]
+  assert (model["scan_layers"], model["remat_policy"], model["fused_qkv"]) == (True, "full",
+                                                                               True)
+  assert r["device"]["platform"] == jax.default_backend()
+  assert r["compile_s"] >= r["lower_s"] > 0
+  t = r["step_time_ms"]
+  assert t["n"] == 2 and 0 < t["min"] <= t["median"] <= t["max"]
+  b = r["batch"]
+  assert b["tokens_per_step"] == 3 * (b["src_length"] + b["tgt_length"])   # full rows
+  seconds = t["median"] / 1000
+  assert r["tokens_per_sec"] == pytest.approx(b["tokens_per_step"] / seconds)
+  cfg = tiny_config().replace(**{k: v for k, v in model.items() if k != "vocab_size"},
+                              vocab_size=model["vocab_size"])
+  assert r["model_flops_per_step"] == model_flops(cfg, 3, b["src_length"],
+                                                  b["tgt_length"])["total"]
+  assert r["causal_halving"] is False
+  assert r["hardware_flops_per_step"] > r["model_flops_per_step"]   # remat recomputes
+  assert r["achieved_tflops"] == pytest.approx(r["model_flops_per_step"] / seconds / 1e12)
+  assert r["peak_tflops"] == 2.5 and r["peak_source"] == "--peak_tflops"
+  assert r["mfu"] == pytest.approx(r["achieved_tflops"] / 2.5)
+  assert "peak_memory_bytes" in r and r["compiled_memory"]["total_bytes"] > 0
+
+
+def test_decode_json_reports_greedy_and_beam_with_and_without_cache():
+  out = _run("benchmarks.decode", *TINY, "--max_length=6", "--beam_size=3", "--json")
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  assert {(x["beam_size"], x["kv_cache"]) for x in r["runs"]} == {
+      (1, True), (1, False), (3, True), (3, False)}
+  for x in r["runs"]:
+    assert x["sentences_per_sec"] > 0 and 0 < x["mean_output_length"] <= 6
+    assert x["tokens_per_sec"] == pytest.approx(x["sentences_per_sec"]
+                                                * x["mean_output_length"])
+  # Same searches, so the same outputs: equal lengths with and without the cache.
+  for beam in (1, 3):
+    lengths = {x["mean_output_length"] for x in r["runs"] if x["beam_size"] == beam}
+    assert len(lengths) == 1
+  assert set(r["kv_cache_speedup"]) == {"beam_1", "beam_3"}
+
+
+def test_bad_lengths_are_named():
+  out = _run("benchmarks.train_step", *TINY, "--src_length=600", check=False)
+  assert out.returncode != 0 and "max_len" in out.stderr
+
+
+def test_packed_batches_are_well_formed():
+  from benchmarks.common import Setup, count_tokens, random_batch
+  s = Setup(config=None, model=tiny_config(), batch_size=4, src_length=24, tgt_length=20)
+  b = random_batch(s, seed=1, packed=True)
+  for side, tokens in (("src", b["src"]), ("tgt", b["tgt_out"])):
+    segments, positions = b[f"{side}_segment_ids"], b[f"{side}_positions"]
+    assert ((segments == 0) == (tokens == PAD_ID)).all()
+    for row in range(4):
+      ids = segments[row][segments[row] > 0]
+      assert (np.diff(ids) >= 0).all() and ids.max() >= 2          # several examples
+      for k in np.unique(ids):
+        assert (positions[row][segments[row] == k] == np.arange((segments[row] == k).sum())).all()
+  # Both sides hold the same examples; the decoder input is each target shifted behind BOS.
+  assert (b["src_segment_ids"].max(1) == b["tgt_segment_ids"].max(1)).all()
+  starts = (b["tgt_positions"] == 0) & (b["tgt_segment_ids"] > 0)
+  assert (b["tgt_in"][starts] == BOS_ID).all()
+  inner = (b["tgt_positions"] > 0)
+  shifted = np.roll(b["tgt_out"], 1, axis=1)
+  assert (b["tgt_in"][inner] == shifted[inner]).all()
+  assert count_tokens(b) == int((b["src"] != 0).sum() + (b["tgt_out"] != 0).sum())
+  assert count_tokens(b) < 4 * (24 + 20)
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(norm_position="pre", positional="learned",
+                                                    activation="gelu")],
+                         ids=["paper", "pre-ln-learned-gelu"])
+def test_torch_reference_is_the_same_model(overrides):
+  """With our parameters copied in, torch.nn.Transformer computes our logits: the side by
+  side compares one architecture."""
+  torch = pytest.importorskip("torch", reason="PyTorch is an optional benchmark dependency")
+  from benchmarks.torch_reference import TorchTransformer
+  cfg = tiny_config(num_decoder_layers=2, **overrides)
+  rng = np.random.default_rng(0)
+  src = rng.integers(4, cfg.vocab_size, (3, 7)).astype(np.int32)
+  tgt = rng.integers(4, cfg.vocab_size, (3, 6)).astype(np.int32)
+  src[1, 5:], tgt[2, 4:] = PAD_ID, PAD_ID
+  params = nn.meta.unbox(Transformer(cfg).init(jax.random.PRNGKey(0), src, tgt))["params"]
+  expected = np.asarray(Transformer(cfg).apply({"params": params}, src, tgt))
+  model = TorchTransformer(cfg, label_smoothing=0.0).eval()
+  assert sum(p.numel() for p in model.parameters()) == sum(
+      x.size for x in jax.tree_util.tree_leaves(params))
+  model.load_jax_params(params)
+  with torch.no_grad():
+    got = model.logits(torch.from_numpy(src).long(), torch.from_numpy(tgt).long()).numpy()
+  valid = tgt != PAD_ID
+  np.testing.assert_allclose(got[valid], expected[valid], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,63 @@
+"""The model-FLOPs formula behind the benchmarks' MFU equals the dot products the model
+actually traces to (counted from its jaxpr), for training and inference, across options."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import tiny_config
+from transformer_jax import TransformerConfig, Transformer
+from transformer_jax.flops import matmul_flops, model_flops, weights_per_token
+from transformer_jax.training.tasks import Seq2SeqTask
+
+
+def _batch(batch: int, src_length: int, tgt_length: int) -> dict:
+  return {"src": jnp.ones((batch, src_length), jnp.int32),
+          "tgt_in": jnp.ones((batch, tgt_length), jnp.int32),
+          "tgt_out": jnp.ones((batch, tgt_length), jnp.int32)}
+
+
+@pytest.mark.parametrize("overrides, shape", [
+    (dict(), (3, 7, 5)),
+    (dict(num_encoder_layers=2, num_decoder_layers=3, norm_position="pre"), (2, 4, 9)),
+    (dict(share_embeddings=False, tie_output=False, target_vocab_size=57), (2, 6, 6)),
+    (dict(scan_layers=True, fused_qkv=True, num_encoder_layers=3), (2, 5, 3)),
+], ids=["tiny", "deeper-pre-ln", "untied", "scan-fused"])
+def test_formula_counts_every_matmul_of_training_and_inference(overrides, shape):
+  cfg = tiny_config(**overrides)
+  batch = _batch(*shape)
+  task = Seq2SeqTask(Transformer(cfg), label_smoothing=0.1)
+  params = jax.eval_shape(lambda: nn.meta.unbox(task.init_params(jax.random.PRNGKey(0),
+                                                                 batch)))
+  train = lambda p: jax.grad(lambda p: task.loss_sums(p, batch, jax.random.PRNGKey(0),
+                                                      True)["loss"])(p)
+  forward = lambda p: task.loss_sums(p, batch, None, False)["loss"]
+  assert matmul_flops(train, params) == model_flops(cfg, *shape)["total"]
+  assert matmul_flops(forward, params) == model_flops(cfg, *shape, training=False)["total"]
+
+
+def test_formula_by_hand_for_the_base_model():
+  cfg = TransformerConfig.base(37000)
+  d, f = 512, 2048
+  source = 6 * (4 * d * d + 2 * d * f) + 6 * 2 * d * d
+  target = 6 * (4 * d * d + 2 * d * d + 2 * d * f) + d * 37000
+  assert weights_per_token(cfg) == (source, target) == (22_020_096, 40_964_096)
+  flops = model_flops(cfg, batch_size=2, src_length=10, tgt_length=8)
+  assert flops["weights"] == 6 * 2 * (10 * source + 8 * target)
+  assert flops["attention"] == 2 * 12 * d * 6 * (10 * 10 + 8 * 8 + 8 * 10)   # no halving
+  assert flops["total"] == flops["weights"] + flops["attention"]
+  assert model_flops(cfg, 2, 10, 8, training=False)["total"] * 3 == flops["total"]
+
+
+def test_matmul_flops_counts_scan_iterations_and_refuses_while_loops():
+  w = jnp.ones((4, 4))
+  one = 2 * 3 * 4 * 4
+  assert matmul_flops(lambda x: x @ w, jnp.ones((3, 4))) == one
+  scanned = lambda x: jax.lax.scan(lambda c, _: (c @ w, None), x, length=5)[0]
+  assert matmul_flops(scanned, jnp.ones((3, 4))) == 5 * one
+  looped = lambda x: jax.lax.while_loop(lambda c: c.sum() < 1e3, lambda c: c @ w, x)
+  with pytest.raises(ValueError, match="while loop"):
+    matmul_flops(looped, jnp.ones((3, 4)))
