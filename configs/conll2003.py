@@ -19,10 +19,11 @@ from configs import default
 def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.task = "tagging"
-  config.num_train_steps = 3000
+  # ~15 epochs of packed sentences.
+  config.num_train_steps = 1500
   config.log_every_steps = 100
-  config.eval_every_steps = 1000
-  config.checkpoint_every_steps = 1000
+  config.eval_every_steps = 500
+  config.checkpoint_every_steps = 500
   config.keep_checkpoints = 2
   config.batch_size = 16              # packed rows of data.max_length tokens
   config.label_smoothing = 0.0

@@ -136,28 +136,34 @@ def predict(workdir: str | None, infile: TextIO, outfile: TextIO, beam_size: int
   return count
 
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir: its newest export or "
-                               "checkpoint is used.")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "An export (W/exports/NAME) or checkpoint "
-                                  "(W/checkpoints/STEP) directory to use instead.")
-_INPUT = flags.DEFINE_string("input", "-", "Input file, one example per line ('-': stdin).")
-_OUTPUT = flags.DEFINE_string("output", "-", "Output file ('-': stdout).")
-_BEAM = flags.DEFINE_integer("beam_size", 4, "Beam size (1 = greedy).")
-_ALPHA = flags.DEFINE_float("alpha", 0.6, "Length penalty exponent.")
-_BATCH = flags.DEFINE_integer("batch_size", 64, "Lines decoded together.")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The command-line flags, defined only when this module is the program (so that other
+  commands can import it)."""
+  flags.DEFINE_string("workdir", None, "Training workdir: its newest export or "
+                      "checkpoint is used.")
+  flags.DEFINE_string("checkpoint", None, "An export (W/exports/NAME) or checkpoint "
+                      "(W/checkpoints/STEP) directory to use instead.")
+  flags.DEFINE_string("input", "-", "Input file, one example per line ('-': stdin).")
+  flags.DEFINE_string("output", "-", "Output file ('-': stdout).")
+  flags.DEFINE_integer("beam_size", 4, "Beam size (1 = greedy).")
+  flags.DEFINE_float("alpha", 0.6, "Length penalty exponent.")
+  flags.DEFINE_integer("batch_size", 64, "Lines decoded together.")
 
 
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
   del argv
-  if _WORKDIR.value is None and _CHECKPOINT.value is None:
+  if FLAGS.workdir is None and FLAGS.checkpoint is None:
     sys.exit("error: give --workdir (a training workdir) or --checkpoint (an export or "
              "checkpoint directory)")
-  infile = sys.stdin if _INPUT.value == "-" else open(_INPUT.value)
-  outfile = sys.stdout if _OUTPUT.value == "-" else open(_OUTPUT.value, "w")
+  infile = sys.stdin if FLAGS.input == "-" else open(FLAGS.input)
+  outfile = sys.stdout if FLAGS.output == "-" else open(FLAGS.output, "w")
   try:
-    predict(_WORKDIR.value, infile, outfile, _BEAM.value, _ALPHA.value, _BATCH.value,
-            _CHECKPOINT.value)
+    predict(FLAGS.workdir, infile, outfile, FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_size,
+            FLAGS.checkpoint)
   except (FileNotFoundError, ValueError, checkpoint.DamagedCheckpointError) as e:
     sys.exit(f"error: {e}")  # Bad workdir, checkpoint or input: say what, no trace.
   finally:
@@ -168,4 +174,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
