@@ -2,6 +2,7 @@
 how big a checkpoint is, for a model and its Adam state:
 
   python benchmarks/checkpoint_save.py --model=default          # configs/default.py's model
+  python benchmarks/checkpoint_save.py --model=multi30k         # configs/multi30k.py's model
   python benchmarks/checkpoint_save.py --model=base --vocab_size=8000
 
 The state is initialised as training initialises it; each save is timed as the loop calls
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs import default, wmt14_ende_base
+from configs import default, multi30k, wmt14_ende_base
 from transformer_jax.checkpoint import (TrainCheckpoints, describe, tokenizer_item,
                                         train_item)
 from transformer_jax.config import TransformerConfig
@@ -33,9 +34,11 @@ from transformer_jax.params import count_params
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
 from transformer_jax.training.state import create_train_state
 
-_MODEL = flags.DEFINE_enum("model", "default", ["default", "base", "big"],
-                           "configs/default.py's model, or the paper's base/big.")
-_VOCAB = flags.DEFINE_integer("vocab_size", 8000, "Vocabulary size for base/big.")
+_MODEL = flags.DEFINE_enum("model", "default", ["default", "multi30k", "base", "big"],
+                           "configs/default.py's or configs/multi30k.py's model, or the "
+                           "paper's base/big.")
+_VOCAB = flags.DEFINE_integer("vocab_size", 8000, "Vocabulary size for base/big (multi30k: "
+                              "its config's data.vocab_size).")
 _SAVES = flags.DEFINE_integer("saves", 4, "Number of saves (the first one is warm-up).")
 _DIR = flags.DEFINE_string("dir", None, "Where to write (default: a temporary directory).")
 
@@ -45,6 +48,10 @@ def _state(name: str, vocab_size: int):
     config = default.get_config()
     model_cfg = TransformerConfig.from_dict({**config.model.to_dict(),
                                              "vocab_size": make_vocab().vocab_size})
+  elif name == "multi30k":
+    config = multi30k.get_config()
+    model_cfg = TransformerConfig.from_dict({**config.model.to_dict(),
+                                             "vocab_size": config.data.vocab_size})
   else:
     config = wmt14_ende_base.get_config(big=name == "big")
     model_cfg = getattr(TransformerConfig, name)(vocab_size)

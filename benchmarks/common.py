@@ -47,6 +47,8 @@ flags.DEFINE_enum("remat", None, ["none", *REMAT_POLICIES], "Remat policy.")
 flags.DEFINE_bool("fused_qkv", None, "Fused query/key/value projection.")
 flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
 flags.DEFINE_integer("steps", 10, "Timed calls (each ended with block_until_ready).")
+flags.DEFINE_integer("block", 5, "Consecutive timed calls of one contender before the next "
+                     "one's turn (see common.time_interleaved).")
 flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
 flags.DEFINE_integer("seed", 0, "Seed of the parameters and the random batch.")
 FLAGS = flags.FLAGS
@@ -153,20 +155,27 @@ def count_tokens(batch: dict[str, np.ndarray]) -> int:
 
 
 # -------------------------------------------------------------------------------- timing
-def time_interleaved(calls: dict[str, Callable[[], Any]], warmup: int,
-                     steps: int) -> dict[str, list[float]]:
-  """Seconds per call of each of `calls`, timed in turns (a, b, c, a, b, c, ...) after
-  `warmup` untimed rounds, so that on a shared machine every contender sees the same load.
-  Each call must block until its results are ready (block_until_ready / synchronize)."""
+def time_interleaved(calls: dict[str, Callable[[], Any]], warmup: int, steps: int,
+                     block: int = 1) -> dict[str, list[float]]:
+  """Seconds per call of each of `calls`, timed in turns after `warmup` untimed rounds, so
+  that on a shared machine every contender sees the same load: `block` consecutive calls of
+  one, then of the next (a a b b c c a a ...), until each has `steps`. Each call must block
+  until its results are ready (block_until_ready / synchronize).
+
+  Blocks longer than 1 matter when runtimes share the cores: PyTorch's OpenMP workers keep
+  spinning for a while after each step and slow whatever runs next, so one-step turns would
+  charge that to the other contender; in blocks only each block's first call pays it, which
+  the median ignores."""
   for _ in range(warmup):
     for call in calls.values():
       call()
   times: dict[str, list[float]] = {name: [] for name in calls}
-  for _ in range(steps):
+  while any(len(t) < steps for t in times.values()):
     for name, call in calls.items():
-      start = time.perf_counter()
-      call()
-      times[name].append(time.perf_counter() - start)
+      for _ in range(min(block, steps - len(times[name]))):
+        start = time.perf_counter()
+        call()
+        times[name].append(time.perf_counter() - start)
   return times
 
 

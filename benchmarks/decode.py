@@ -67,7 +67,7 @@ def main(argv: list[str]) -> None:
   prepared = {(beam, cache): prepare(s, params, src, beam, cache)
               for beam in (1, FLAGS.beam_size) for cache in (True, False)}
   times = common.time_interleaved({key: call for key, (_, call) in prepared.items()},
-                                  FLAGS.warmup, FLAGS.steps)
+                                  FLAGS.warmup, FLAGS.steps, FLAGS.block)
   runs = []
   for key, (info, _) in prepared.items():
     seconds = float(np.median(times[key]))

@@ -10,9 +10,9 @@ guard, state donated), run on one random batch kept on the device, so the figure
 step's compute, not the input pipeline. Model FLOPs: `transformer_jax.flops.model_flops`
 (6 N per token for the weights plus the attention terms, no causal halving);
 `hardware_flops_per_step` counts the traced program's matmuls, remat recomputation
-included. MFU = model FLOPs per second / the peak (see --peak_tflops). With --compare=torch the JAX,
-PyTorch-eager and torch.compile steps are timed in turns, step by step, so that on a shared
-machine all three see the same load.
+included. MFU = model FLOPs per second / the peak (see --peak_tflops). With --compare=torch
+the JAX, PyTorch-eager and torch.compile steps are timed in turns, `--block` steps at a
+time, so that on a shared machine all three see the same load.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main(argv: list[str]) -> None:
     torch_info, torch_calls = torch_reference.prepare(s, batch, FLAGS.seed)
     calls.update(torch_calls)
   # In turns, so that JAX and PyTorch see the same load on a shared machine.
-  times = common.time_interleaved(calls, FLAGS.warmup, FLAGS.steps)
+  times = common.time_interleaved(calls, FLAGS.warmup, FLAGS.steps, FLAGS.block)
   jax_result = {**jax_info, "step_time_ms": common.stats_ms(times["jax"]),
                 "peak_memory_bytes": common.peak_memory_bytes()}
   seconds = jax_result["step_time_ms"]["median"] / 1000.0

@@ -19,8 +19,9 @@ from configs import default
 def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.task = "tagging"
-  # ~15 epochs of packed sentences.
-  config.num_train_steps = 1500
+  # ~25 epochs of packed sentences: dev F1 still rose from 1,500 steps (79.6) to 2,500
+  # (80.2), both with BIO-constrained decoding.
+  config.num_train_steps = 2500
   config.log_every_steps = 100
   config.eval_every_steps = 500
   config.checkpoint_every_steps = 500

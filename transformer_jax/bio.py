@@ -1,0 +1,48 @@
+"""Tag sequences that are valid BIO: Viterbi decoding of a tagger's per-word log-probabilities.
+
+A per-word argmax can emit `I-X` with no `B-X`/`I-X` before it, or switch type inside a
+span (`B-PER I-ORG`); conlleval then scores spans the model never meant. Decoding the most
+likely sequence among the valid ones removes those errors without retraining (the "BIO
+constraint" of CRF taggers, here applied to independent per-word probabilities).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def allowed_transitions(labels: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+  """(start (L,), transition (L, L)) booleans: `start[j]`: tag j may open a sentence;
+  `transition[i, j]`: tag j may follow tag i. Only `I-X` is restricted: it continues a
+  `B-X` or `I-X`. Tags outside the BIO scheme are unrestricted."""
+  labels = list(labels)
+  start = np.ones(len(labels), bool)
+  transition = np.ones((len(labels), len(labels)), bool)
+  for j, tag in enumerate(labels):
+    if tag.startswith("I-"):
+      entity = tag[2:]
+      start[j] = False
+      transition[:, j] = [prev in (f"B-{entity}", f"I-{entity}") for prev in labels]
+  return start, transition
+
+
+def viterbi(log_probs: np.ndarray, start: np.ndarray, transition: np.ndarray) -> np.ndarray:
+  """The tag ids (T,) maximising the summed log-probabilities (T, L) among the sequences
+  that `start` and `transition` allow."""
+  length, _ = log_probs.shape
+  if length == 0:
+    return np.zeros(0, np.int64)
+  penalty = np.where(transition, 0.0, -np.inf)
+  score = np.where(start, log_probs[0], -np.inf)
+  back = np.zeros(log_probs.shape, np.int64)
+  for t in range(1, length):
+    candidates = score[:, None] + penalty                # (previous, current)
+    back[t] = candidates.argmax(0)
+    score = candidates.max(0) + log_probs[t]
+  tags = np.zeros(length, np.int64)
+  tags[-1] = score.argmax()
+  for t in range(length - 1, 0, -1):
+    tags[t - 1] = back[t, tags[t]]
+  return tags
