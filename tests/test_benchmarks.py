@@ -76,6 +76,35 @@ def test_decode_json_reports_greedy_and_beam_with_and_without_cache():
   assert set(r["kv_cache_speedup"]) == {"beam_1", "beam_3"}
 
 
+def test_interleaved_timing_runs_blocks_in_turns():
+  from benchmarks.common import time_interleaved
+  order = []
+  times = time_interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+                           warmup=1, steps=3, block=2)
+  assert order == ["a", "b"] + ["a", "a", "b", "b", "a", "b"]   # warm-up round, then blocks
+  assert {name: len(t) for name, t in times.items()} == {"a": 3, "b": 3}
+
+
+def test_profile_groups_op_time_and_finds_the_matmuls():
+  from benchmarks.profile_step import MATMUL, op_times
+  events = [{"ph": "X", "name": "ynn_fusion.3", "dur": 5}, {"ph": "X", "name": "dot.1", "dur": 2},
+            {"ph": "X", "name": "copy_fusion.7", "dur": 4}, {"ph": "X", "name": "copy_fusion",
+                                                            "dur": 1},
+            {"ph": "X", "name": "$train_step.py:59 call", "dur": 100},
+            {"ph": "X", "name": "ThunkExecutor::Execute", "dur": 50},
+            {"ph": "X", "name": "ParseArguments", "dur": 3}, {"ph": "X", "name": "end: copy",
+                                                              "dur": 3},
+            {"ph": "i", "name": "dot.2", "dur": 9}]
+  assert op_times(events) == {MATMUL: 7, "copy_fusion": 5}
+  out = _run("benchmarks.profile_step", *TINY, "--profile_steps=2")
+  lines = out.stdout.strip().splitlines()
+  assert "op time" in lines[0]
+  shares = {line.split("%")[1].strip(): float(line.split("ms")[1].split("%")[0])
+            for line in lines[1:]}
+  assert shares[MATMUL] > 5.0          # a training step is mostly its matmuls
+  assert sum(shares.values()) <= 100.01
+
+
 def test_bad_lengths_are_named():
   out = _run("benchmarks.train_step", *TINY, "--src_length=600", check=False)
   assert out.returncode != 0 and "max_len" in out.stderr
