@@ -45,10 +45,11 @@ flags.DEFINE_enum("attention", None, ["xla", "cudnn", "einsum"], "Attention impl
 flags.DEFINE_bool("scan", None, "nn.scan over layers (model.scan_layers).")
 flags.DEFINE_enum("remat", None, ["none", *REMAT_POLICIES], "Remat policy.")
 flags.DEFINE_bool("fused_qkv", None, "Fused query/key/value projection.")
-flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
-flags.DEFINE_integer("steps", 10, "Timed calls (each ended with block_until_ready).")
+flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.", lower_bound=0)
+flags.DEFINE_integer("steps", 10, "Timed calls (each ended with block_until_ready).",
+                     lower_bound=1)
 flags.DEFINE_integer("block", 5, "Consecutive timed calls of one contender before the next "
-                     "one's turn (see common.time_interleaved).")
+                     "one's turn (see common.time_interleaved).", lower_bound=1)
 flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
 flags.DEFINE_integer("seed", 0, "Seed of the parameters and the random batch.")
 FLAGS = flags.FLAGS
@@ -166,6 +167,8 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], warmup: int, steps: in
   spinning for a while after each step and slow whatever runs next, so one-step turns would
   charge that to the other contender; in blocks only each block's first call pays it, which
   the median ignores."""
+  if block < 1 or steps < 1:
+    raise ValueError(f"block={block} and steps={steps} must both be >= 1")
   for _ in range(warmup):
     for call in calls.values():
       call()

@@ -23,8 +23,8 @@ from absl import app, flags, logging
 
 from benchmarks import common, train_step
 
-flags.DEFINE_integer("profile_steps", 5, "Steps recorded in the trace.")
-flags.DEFINE_integer("top", 15, "Op families printed.")
+flags.DEFINE_integer("profile_steps", 5, "Steps recorded in the trace.", lower_bound=1)
+flags.DEFINE_integer("top", 15, "Op families printed.", lower_bound=1)
 FLAGS = flags.FLAGS
 
 MATMUL = "matmul (dot, ynn_fusion)"

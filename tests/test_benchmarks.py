@@ -83,6 +83,10 @@ def test_interleaved_timing_runs_blocks_in_turns():
                            warmup=1, steps=3, block=2)
   assert order == ["a", "b"] + ["a", "a", "b", "b", "a", "b"]   # warm-up round, then blocks
   assert {name: len(t) for name, t in times.items()} == {"a": 3, "b": 3}
+  with pytest.raises(ValueError, match="block=0"):
+    time_interleaved({"a": lambda: None}, warmup=0, steps=3, block=0)
+  out = _run("benchmarks.train_step", *TINY, "--block=0", check=False)
+  assert out.returncode != 0 and "--block" in out.stderr
 
 
 def test_profile_groups_op_time_and_finds_the_matmuls():
