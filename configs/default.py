@@ -49,7 +49,8 @@ def get_config() -> ml_collections.ConfigDict:
   # batch_size: rows per evaluation batch (teacher-forced loss and decoding alike).
   config.decode = ml_collections.ConfigDict(dict(
       beam_size=4, alpha=0.6, max_extra_length=4, eval_examples=1000, batch_size=250,
-      num_samples=5))
+      num_samples=5,
+      bio_constrained=True))   # tagging: most likely valid BIO sequence (False: argmax per word)
   # Device mesh (sharding.py): -1 takes the remaining devices. Multi-host: set
   # distributed.initialize=True (cluster read from the environment on Cloud TPU/SLURM), or
   # give coordinator_address "host:port", num_processes and process_id.

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import itertools
 
+import jax
+import ml_collections
 import numpy as np
 import pytest
 
+from conftest import tiny_config
 from transformer_jax.bio import allowed_transitions, viterbi
 from transformer_jax.metrics import entity_spans
+from transformer_jax.training.tasks import make_task
 
 LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
 
@@ -65,3 +69,27 @@ def test_viterbi_handles_empty_and_single_word_sentences():
   assert viterbi(np.zeros((0, 5)), start, transition).tolist() == []
   alone = np.log([[0.05, 0.05, 0.8, 0.05, 0.05]])          # I-PER cannot open a sentence
   assert LABELS[viterbi(alone, start, transition)[0]] != "I-PER"
+
+
+def test_tagging_task_decodes_valid_bio_and_config_can_turn_it_off():
+  """An untrained tagger's per-word argmax is often invalid BIO; the task's predictions
+  never are, and they keep the argmax wherever the argmax sequence is valid."""
+  labels = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG"]
+  cfg = tiny_config(num_decoder_layers=0)
+  off = ml_collections.ConfigDict(dict(bio_constrained=False))
+  constrained = make_task("tagging", cfg, labels=labels)
+  argmax = make_task("tagging", cfg, labels=labels, decode=off)
+  assert constrained.bio_constrained and not argmax.bio_constrained
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(4, cfg.vocab_size, size=(16, 12)).astype(np.int32)
+  tokens[:, 9:] = 0                                                   # padding
+  batch = {"tokens": tokens, "positions": np.tile(np.arange(12, dtype=np.int32), (16, 1)),
+           "segment_ids": (tokens != 0).astype(np.int32)}
+  params = constrained.init_params(jax.random.PRNGKey(3))
+  valid_rows = 0
+  for fixed, free in zip(constrained.predict(params, batch), argmax.predict(params, batch)):
+    assert len(fixed) == len(free) == 9 and _valid(fixed)
+    if _valid(free):
+      valid_rows += 1
+      assert fixed == free
+  assert valid_rows < 16            # the property was exercised on invalid argmax rows

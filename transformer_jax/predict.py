@@ -58,7 +58,7 @@ class Predictor:
           f"{model.path} holds a {kind} model but no label names")
     model_config = TransformerConfig.from_dict(model.config["model"])
     task = make_task(kind, model_config, labels=model.assets.labels,
-                     tokenizer=model.assets.target_tokenizer,
+                     tokenizer=model.assets.target_tokenizer, decode=model.config.get("decode"),
                      pooling=model.config.get("pooling", "mean"))
     return kind, model_config, task
 

@@ -175,12 +175,6 @@ class TaggingTask(_EncoderTask):
 
   kind = "tagging"
 
-  def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
-                train: bool) -> dict[str, jax.Array]:
-    return cross_entropy_sums(self.logits(params, batch, rng, train), batch["tags"],
-                              self.label_smoothing if train else 0.0,
-                              weights=(batch["tokens"] != PAD_ID).astype(jnp.float32))
-
   def __init__(self, model: Any, label_smoothing: float, labels: Sequence[str],
                bio_constrained: bool = True):
     super().__init__(model, label_smoothing, labels)
@@ -188,6 +182,12 @@ class TaggingTask(_EncoderTask):
     self._transitions = bio.allowed_transitions(self.labels)
     self._log_probs = jax.jit(lambda params, batch: jax.nn.log_softmax(
         self.logits(params, batch, None, False).astype(jnp.float32), -1))
+
+  def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
+                train: bool) -> dict[str, jax.Array]:
+    return cross_entropy_sums(self.logits(params, batch, rng, train), batch["tags"],
+                              self.label_smoothing if train else 0.0,
+                              weights=(batch["tokens"] != PAD_ID).astype(jnp.float32))
 
   def predict(self, params: Any, batch: dict[str, np.ndarray]) -> list[list[str]]:
     """Tag names for each row's tokens (one sequence per row): the most likely valid BIO
@@ -234,5 +234,7 @@ def make_task(kind: str, model_cfg: TransformerConfig, *, label_smoothing: float
   model = make_model(kind, model_cfg, len(labels) if labels else None, pooling)
   if kind == "seq2seq":
     return Seq2SeqTask(model, label_smoothing, tokenizer, decode)
-  cls = ClassificationTask if kind == "classification" else TaggingTask
-  return cls(model, label_smoothing, labels)
+  if kind == "classification":
+    return ClassificationTask(model, label_smoothing, labels)
+  return TaggingTask(model, label_smoothing, labels,
+                     bio_constrained=bool((decode or {}).get("bio_constrained", True)))
