@@ -25,14 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import default, multi30k, wmt14_ende_base
-from transformer_jax.checkpoint import (TrainCheckpoints, describe, tokenizer_item,
-                                        train_item)
+from transformer_jax.checkpoint import TrainCheckpoints, describe
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.synthetic import make_vocab
+from transformer_jax.data.tokenizer import tokenizer_item
 from transformer_jax.modules.models import Transformer
 from transformer_jax.params import count_params
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
-from transformer_jax.training.state import create_train_state
+from transformer_jax.training.state import checkpoint_arrays, create_train_state
 
 _MODEL = flags.DEFINE_enum("model", "default", ["default", "multi30k", "base", "big"],
                            "configs/default.py's or configs/multi30k.py's model, or the "
@@ -95,13 +95,13 @@ def main(argv):
     state = state.replace(step=jnp.array(step, jnp.int32))
     jax.block_until_ready(state)
     start = time.perf_counter()
-    checkpoints.save(step, state, {"next_index": step})
+    checkpoints.save(step, checkpoint_arrays(state), {"next_index": step})
     blocking.append(time.perf_counter() - start)
     checkpoints.wait()
     total.append(time.perf_counter() - start)
   start = time.perf_counter()
-  describe(state.params)
-  describe(train_item(state))
+  for arrays in checkpoint_arrays(state).values():
+    describe(arrays)
   fingerprint = time.perf_counter() - start
   size = _size(str(checkpoints.path(_SAVES.value)))
   checkpoints.close()

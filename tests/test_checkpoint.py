@@ -22,16 +22,18 @@ from transformer_jax import checkpoint
 from transformer_jax.checkpoint import (DamagedCheckpointError, IncompatibleCheckpointError,
                                         TrainCheckpoints)
 from transformer_jax.data.synthetic import SyntheticTask, make_vocab
+from transformer_jax.data.tokenizer import load_tokenizer_item, tokenizer_item
 from transformer_jax.data.vocab import SymbolVocab
 from transformer_jax.metrics import MetricWriter
 from transformer_jax.preemption import PreemptionWatcher
-from transformer_jax.training.state import TrainState, create_train_state
+from transformer_jax.training.state import (TrainState, checkpoint_arrays, create_train_state,
+                                            state_from_checkpoint)
 
 OPTIMIZER = optax.adam(1e-2)
 # Orbax's reader leaves coroutines behind when a damaged file fails to read.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 RUN_CONFIG = {"model": {"d_model": 64}, "num_train_steps": 10}
-TOKENIZER = checkpoint.tokenizer_item(make_vocab())
+TOKENIZER = tokenizer_item(make_vocab())
 
 
 def _state(seed: int, width: int = 64) -> TrainState:
@@ -48,6 +50,11 @@ def _state(seed: int, width: int = 64) -> TrainState:
                        params=optax.apply_updates(params, updates), opt_state=opt_state)
 
 
+def _arrays(seed: int, width: int = 64) -> dict:
+  """_state's arrays as a training checkpoint holds them (what the loop saves)."""
+  return checkpoint_arrays(_state(seed, width))
+
+
 def _manager(directory, **kwargs) -> TrainCheckpoints:
   kwargs.setdefault("keep", 3)
   return TrainCheckpoints(str(directory), kwargs.pop("run_config", RUN_CONFIG),
@@ -58,7 +65,7 @@ def _save(directory, steps, **kwargs) -> dict[int, TrainState]:
   states = {step: _state(step) for step in steps}
   manager = _manager(directory, **kwargs)
   for step, state in states.items():
-    manager.save(step, state, {"next_index": step})
+    manager.save(step, checkpoint_arrays(state), {"next_index": step})
   manager.close()
   return states
 
@@ -75,14 +82,14 @@ def _assert_bitwise_equal(a, b) -> None:
 
 # ------------------------------------------------------------------------ round trip
 def test_restore_is_bitwise_what_was_saved(tmp_path):
-  assert _manager(tmp_path / "empty").restore(_state(0)) is None
+  assert _manager(tmp_path / "empty").restore(_arrays(0)) is None
   saved = _save(tmp_path, [3])[3]
-  restored = _manager(tmp_path).restore(_state(0))
+  restored = _manager(tmp_path).restore(_arrays(0))
   assert restored.step == 3 and restored.data_state == {"next_index": 3}
   assert restored.config == RUN_CONFIG
-  _assert_bitwise_equal(restored.state, saved)
+  _assert_bitwise_equal(state_from_checkpoint(restored.arrays), saved)
   with open(tmp_path / "3" / "tokenizer" / "metadata") as f:   # The tokenizer travels along.
-    assert checkpoint.load_tokenizer_item(json.load(f)).tokenizer.symbols == make_vocab().symbols
+    assert load_tokenizer_item(json.load(f)).tokenizer.symbols == make_vocab().symbols
 
 
 def test_fingerprint_sees_every_flipped_bit_and_swapped_values():
@@ -113,10 +120,10 @@ def test_incomplete_save_is_ignored_and_cleaned_up(tmp_path):
   (partial / "params" / "junk").write_bytes(b"\0" * 100)
   manager = _manager(tmp_path)
   assert manager.steps() == [1]
-  restored = manager.restore(_state(0))
+  restored = manager.restore(_arrays(0))
   manager.close()
   assert restored.step == 1
-  _assert_bitwise_equal(restored.state, saved)
+  _assert_bitwise_equal(state_from_checkpoint(restored.arrays), saved)
   assert not partial.exists()
 
 
@@ -125,13 +132,13 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
   fails while writing in the background (here: a data state that is not JSON) leaves it."""
   saved = _save(tmp_path, [10], keep=1)[10]
   manager = _manager(tmp_path, keep=1)
-  manager.save(20, _state(20), {"next_index": np.float32(20)})
+  manager.save(20, _arrays(20), {"next_index": np.float32(20)})
   with pytest.raises(TypeError, match="JSON serializable"):
     manager.wait()
   assert sorted(p for p in os.listdir(tmp_path) if p.isdigit()) == ["10"]
-  restored = _manager(tmp_path, keep=1).restore(_state(0))
+  restored = _manager(tmp_path, keep=1).restore(_arrays(0))
   assert restored.step == 10
-  _assert_bitwise_equal(restored.state, saved)
+  _assert_bitwise_equal(state_from_checkpoint(restored.arrays), saved)
 
 
 def _largest_file(directory) -> str:
@@ -161,17 +168,18 @@ def test_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog, d
   damage(tmp_path / "2")
   manager = _manager(tmp_path)
   with caplog.at_level(std_logging.WARNING):
-    restored = manager.restore(_state(0))
+    restored = manager.restore(_arrays(0))
   assert restored.step == 1 and restored.data_state == {"next_index": 1}
-  _assert_bitwise_equal(restored.state, states[1])
+  _assert_bitwise_equal(state_from_checkpoint(restored.arrays), states[1])
   warnings = " ".join(r.getMessage() for r in caplog.records if r.levelno >= std_logging.WARNING)
   assert f"{tmp_path / '2'} is damaged" in warnings
   # Set aside, not deleted; out of the way of the next save of that step.
   assert (tmp_path / checkpoint.DAMAGED_DIR / "2").is_dir() and not (tmp_path / "2").exists()
   assert manager.steps() == [1]
-  manager.save(2, states[2], {"next_index": 2})
+  manager.save(2, checkpoint_arrays(states[2]), {"next_index": 2})
   manager.close()
-  _assert_bitwise_equal(_manager(tmp_path).restore(_state(0)).state, states[2])
+  _assert_bitwise_equal(state_from_checkpoint(_manager(tmp_path).restore(_arrays(0)).arrays),
+                        states[2])
 
 
 def test_no_readable_checkpoint_is_an_error(tmp_path):
@@ -179,7 +187,7 @@ def test_no_readable_checkpoint_is_an_error(tmp_path):
   _truncate(tmp_path / "1")
   _garble_json(tmp_path / "2")
   with pytest.raises(DamagedCheckpointError, match="none of the checkpoints"):
-    _manager(tmp_path).restore(_state(0))
+    _manager(tmp_path).restore(_arrays(0))
   assert (tmp_path / "1").is_dir() and (tmp_path / "2").is_dir()   # Nothing moved or lost.
 
 
@@ -188,15 +196,15 @@ def test_a_different_state_structure_is_refused_naming_the_fields(tmp_path):
   _save(tmp_path, [5])
   wider = {"model": {"d_model": 128}, "num_train_steps": 10}
   with pytest.raises(IncompatibleCheckpointError) as error:
-    _manager(tmp_path, run_config=wider).restore(_state(0, width=128))
+    _manager(tmp_path, run_config=wider).restore(_arrays(0, width=128))
   message = str(error.value)
   assert "model.d_model: 64 -> 128" in message
   assert "params/dense/kernel: float32[64, 64] -> float32[128, 128]" in message
   assert "num_train_steps" not in message                 # Only the fields that differ.
 
-  other_vocab = checkpoint.tokenizer_item(SymbolVocab(list("abc")))
+  other_vocab = tokenizer_item(SymbolVocab(list("abc")))
   with pytest.raises(IncompatibleCheckpointError, match="tokenizer differs"):
-    _manager(tmp_path, tokenizer=other_vocab).restore(_state(0))
+    _manager(tmp_path, tokenizer=other_vocab).restore(_arrays(0))
   assert _manager(tmp_path).steps() == [5]                 # A refusal changes nothing.
 
 
@@ -207,17 +215,17 @@ def test_keeps_the_latest_and_the_best(tmp_path):
   accuracies = {1: 0.5, 2: 0.9, 3: None, 4: 0.4}            # Step 3 was not evaluated.
   for step, accuracy in accuracies.items():
     metrics = None if accuracy is None else {"eval/accuracy": accuracy, "eval/loss": 1.0}
-    manager.save(step, _state(step), {"next_index": step}, metrics=metrics)
+    manager.save(step, _arrays(step), {"next_index": step}, metrics=metrics)
   manager.close()
   assert _manager(tmp_path, **options).steps() == [2, 4]
   assert checkpoint.best_step(str(tmp_path)) is None       # The run config names no metric.
   # A restarted manager reads the saved metrics back: 2 stays the best.
   manager = _manager(tmp_path, **options)
-  manager.save(5, _state(5), {"next_index": 5}, metrics={"eval/accuracy": 0.1})
+  manager.save(5, _arrays(5), {"next_index": 5}, metrics={"eval/accuracy": 0.1})
   manager.close()
   assert checkpoint.checkpoint_steps(str(tmp_path)) == [2, 5]
   with pytest.raises(ValueError, match="best_checkpoint_metric='eval/accuracy'"):
-    _manager(tmp_path, **options).save(6, _state(6), {"next_index": 6}, metrics={"loss": 1.0})
+    _manager(tmp_path, **options).save(6, _arrays(6), {"next_index": 6}, metrics={"loss": 1.0})
 
 
 def test_best_step_uses_the_runs_metric(tmp_path):
@@ -225,7 +233,7 @@ def test_best_step_uses_the_runs_metric(tmp_path):
   manager = _manager(tmp_path, run_config=config, keep=5, keep_best=1,
                      best_metric="eval/loss", best_mode="min")
   for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0)):
-    manager.save(step, _state(step), {"next_index": step}, metrics={"eval/loss": loss})
+    manager.save(step, _arrays(step), {"next_index": step}, metrics={"eval/loss": loss})
   manager.close()
   assert checkpoint.best_step(str(tmp_path)) == 2
 

@@ -19,7 +19,8 @@ import pytest
 from conftest import assert_close, random_tokens, tiny_config
 from transformer_jax import BOS_ID, EOS_ID, Transformer, sharding
 from transformer_jax.checkpoint import TrainCheckpoints
-from transformer_jax.training.state import create_train_state, new_train_state
+from transformer_jax.training.state import (checkpoint_arrays, create_train_state,
+                                            new_train_state, state_from_checkpoint)
 from transformer_jax.training.steps import make_eval_step, make_train_step
 from transformer_jax.training.tasks import Seq2SeqTask
 
@@ -196,19 +197,20 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path):
   state, _ = _train_on(sharding.make_mesh(dict(fsdp=8)))
   expected = jax.device_get(state)
   checkpoints = TrainCheckpoints(str(tmp_path / "ckpt"), {"run": 1}, {"kind": "test"})
-  checkpoints.save(3, state, {"position": 3})
+  checkpoints.save(3, checkpoint_arrays(state), {"position": 3})
   checkpoints.wait()
   batch = _batch()
   for sizes in [dict(data=1), dict(data=2, fsdp=2, tensor=2)]:
     devices = jax.devices()[:1] if sizes == dict(data=1) else None
     target, target_sharding = sharding.create_sharded(_init_fn(batch),
                                                        sharding.make_mesh(sizes, devices))
-    restored = checkpoints.restore(target)
+    restored = checkpoints.restore(checkpoint_arrays(target))
     assert restored.step == 3 and restored.data_state == {"position": 3}
-    for leaf, want in zip(jax.tree_util.tree_leaves(restored.state),
+    restored_state = state_from_checkpoint(restored.arrays)
+    for leaf, want in zip(jax.tree_util.tree_leaves(restored_state),
                           jax.tree_util.tree_leaves(target_sharding)):
       assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(restored.state.params),
+    jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(restored_state.params),
                            expected.params)
   checkpoints.close()
 

@@ -18,29 +18,35 @@ from absl import app, flags, logging
 
 from transformer_jax import checkpoint
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir.", required=True)
-_AVERAGE = flags.DEFINE_integer("average", 1, "Average the parameters of this many checkpoints: "
-                                "--step and the ones before it.")
-_STEP = flags.DEFINE_string("step", "latest", "Checkpoint step, 'latest' or 'best' (the best by "
-                            "config.best_checkpoint_metric; needs keep_best_checkpoints).")
-_OUTPUT = flags.DEFINE_string("output", None, "Output directory; default "
-                              "W/exports/step_<S>[_avg<N>].")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The command-line flags, defined only when this module is the program (so that other
+  commands can import it)."""
+  flags.DEFINE_string("workdir", None, "Training workdir.", required=True)
+  flags.DEFINE_integer("average", 1, "Average the parameters of this many checkpoints: "
+                       "--step and the ones before it.")
+  flags.DEFINE_string("step", "latest", "Checkpoint step, 'latest' or 'best' (the best by "
+                      "config.best_checkpoint_metric; needs keep_best_checkpoints).")
+  flags.DEFINE_string("output", None, "Output directory; default "
+                      "W/exports/step_<S>[_avg<N>].")
 
 
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  directory = os.path.join(_WORKDIR.value, checkpoint.CHECKPOINT_DIR)
+  directory = os.path.join(FLAGS.workdir, checkpoint.CHECKPOINT_DIR)
   if not os.path.isdir(directory):
     sys.exit(f"error: {directory} does not exist; train first with "
-             f"`python train.py --workdir {_WORKDIR.value}`")
+             f"`python train.py --workdir {FLAGS.workdir}`")
   steps = checkpoint.checkpoint_steps(directory)
   try:
-    chosen = checkpoint.select_steps(steps, _STEP.value, _AVERAGE.value,
-                          checkpoint.best_step(directory))
+    chosen = checkpoint.select_steps(steps, FLAGS.step, FLAGS.average,
+                                     checkpoint.best_step(directory))
     name = f"step_{chosen[-1]}" + (f"_avg{len(chosen)}" if len(chosen) > 1 else "")
-    output = _OUTPUT.value or os.path.join(_WORKDIR.value, checkpoint.EXPORT_DIR, name)
+    output = FLAGS.output or os.path.join(FLAGS.workdir, checkpoint.EXPORT_DIR, name)
     path = checkpoint.export(directory, chosen, output)
   except (ValueError, FileExistsError, checkpoint.DamagedCheckpointError) as e:
     sys.exit(f"error: {e}")
@@ -48,4 +54,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -111,11 +111,6 @@ class MetricWriter:
                                    for k, v in values.items()])
     self._events.add_event(self._event(wall_time=time.time(), step=int(step), summary=summary))
 
-  def flush(self) -> None:
-    if self.enabled:
-      self._jsonl.flush()
-      self._events.flush()
-
   def close(self) -> None:
     if self.enabled:
       self._jsonl.close()

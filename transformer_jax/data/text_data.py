@@ -18,9 +18,10 @@ import numpy as np
 
 from transformer_jax.data import pipeline
 from transformer_jax.data.corpus import Corpus
-from transformer_jax.data.tokenizer import SentencePieceTokenizer, WordVocab, load_tokenizer
+from transformer_jax.data.tokenizer import (TARGET_VOCAB_FILE, VOCAB_FILE, SentencePieceTokenizer,
+                                            WordVocab, load_tokenizer)
 
-VOCAB_FILE, TARGET_VOCAB_FILE, LABELS_FILE = "vocab.json", "target_vocab.json", "labels.json"
+LABELS_FILE = "labels.json"
 TOKENIZERS = ("sentencepiece", "words")
 
 

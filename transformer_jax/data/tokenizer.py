@@ -4,21 +4,29 @@ vocabulary: encode, decode, vocab_size, save, load.
 
 Ids are fixed project-wide: PAD 0, BOS 1, EOS 2, UNK 3 (transformer_jax.config).
 A tokenizer is saved as `NAME.json` in the workdir (SentencePiece adds `NAME.model`, the
-model file itself, which `sentencepiece` can load directly).
+model file itself, which `sentencepiece` can load directly). A checkpoint carries the same
+files as base64 in JSON (`tokenizer_item`), so it is usable without its workdir.
 """
 
 from __future__ import annotations
 
+import base64
 import collections
+import dataclasses
 import json
 import os
 import re
-from typing import Iterable, Sequence
+import tempfile
+from typing import Any, Iterable, Sequence
 
 import sentencepiece as spm
 
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer_jax.data.vocab import SPECIALS, SymbolVocab
+
+# The workdir's tokenizer files (the target one only when source and target vocabularies
+# are separate); checkpoints store them under the same names.
+VOCAB_FILE, TARGET_VOCAB_FILE = "vocab.json", "target_vocab.json"
 
 
 class SentencePieceTokenizer:
@@ -167,3 +175,40 @@ def load_tokenizer(path: str):
   if kind not in _KINDS:
     raise ValueError(f"{path}: unknown tokenizer kind {kind!r}; known: {sorted(_KINDS)}")
   return _KINDS[kind].load(path)
+
+
+# ------------------------------------------------------------------- in a checkpoint
+@dataclasses.dataclass
+class TextAssets:
+  """What turns text into ids and back: the tokenizer(s) and the class or tag names."""
+  tokenizer: Any
+  target_tokenizer: Any
+  labels: list[str] | None
+
+
+def tokenizer_item(tokenizer: Any, target_tokenizer: Any = None,
+                   labels: Sequence[str] | None = None) -> dict[str, Any]:
+  """The tokenizers as the files they save (base64 in JSON; a SentencePiece tokenizer saves
+  two) and the label names: a checkpoint is usable without its workdir."""
+  files = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    tokenizer.save(os.path.join(tmp, VOCAB_FILE))
+    if target_tokenizer is not None and target_tokenizer is not tokenizer:
+      target_tokenizer.save(os.path.join(tmp, TARGET_VOCAB_FILE))
+    for name in sorted(os.listdir(tmp)):
+      with open(os.path.join(tmp, name), "rb") as f:
+        files[name] = base64.b64encode(f.read()).decode("ascii")
+  return {"files": files, "labels": list(labels) if labels is not None else None}
+
+
+def load_tokenizer_item(item: dict[str, Any]) -> TextAssets:
+  """The tokenizers and labels of a `tokenizer_item` (the target tokenizer is the source one
+  when none was saved)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    for name, data in item["files"].items():
+      with open(os.path.join(tmp, os.path.basename(name)), "wb") as f:
+        f.write(base64.b64decode(data))
+    tokenizer = load_tokenizer(os.path.join(tmp, VOCAB_FILE))
+    target_path = os.path.join(tmp, TARGET_VOCAB_FILE)
+    target = load_tokenizer(target_path) if os.path.exists(target_path) else tokenizer
+  return TextAssets(tokenizer, target, item.get("labels"))

@@ -1,4 +1,5 @@
-"""The training state: a plain pytree that a jitted step maps to the next one."""
+"""The training state: a plain pytree that a jitted step maps to the next one, and its
+mapping onto the arrays of a training checkpoint."""
 
 from __future__ import annotations
 
@@ -32,3 +33,19 @@ def create_train_state(params: Any, optimizer: optax.GradientTransformation,
                        seed: int) -> TrainState:
   """The initial state as plain arrays (single device; see sharding.create_sharded)."""
   return nn.meta.unbox(new_train_state(params, optimizer, seed))
+
+
+# The checkpoint layer saves plain pytrees; this is the one place that maps the state onto
+# its items (params, and train = everything else), so the on-disk layout stays fixed.
+def checkpoint_arrays(state: TrainState) -> dict[str, Any]:
+  """The arrays a training checkpoint holds: {"params": ..., "train": {"step", "opt_state",
+  "rng"}}. Works on a state of ShapeDtypeStructs too (what to restore into)."""
+  return {"params": state.params,
+          "train": {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}}
+
+
+def state_from_checkpoint(arrays: dict[str, Any]) -> TrainState:
+  """The TrainState of a checkpoint's arrays (the inverse of `checkpoint_arrays`)."""
+  train = arrays["train"]
+  return TrainState(step=train["step"], params=arrays["params"],
+                    opt_state=train["opt_state"], rng=train["rng"])

@@ -1,0 +1,203 @@
+"""Exports and discovery: what inference reads from a workdir.
+
+An export (W/exports/<name>/) has the items params, config, tokenizer and manifest (with
+"averaged_steps"): the parameters of one training checkpoint, or the mean of several (the
+paper's checkpoint averaging, §6.1), loadable without the optimizer state and without the
+workdir. `models` lists a workdir's checkpoints and exports best first; `first_good` takes
+the first that loads, skipping damaged ones with a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence, TypeVar
+
+from absl import logging
+from etils import epath
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from transformer_jax.checkpoint.manifest import (DamagedCheckpointError,
+                                                 IncompatibleCheckpointError, absolute,
+                                                 describe, describe_leaf, differing, read,
+                                                 signature, verify, without_fingerprints)
+from transformer_jax.data.tokenizer import TextAssets, load_tokenizer_item
+
+CHECKPOINT_DIR, EXPORT_DIR = "checkpoints", "exports"
+T = TypeVar("T")
+
+
+# ------------------------------------------------------------------------------ reading
+@dataclasses.dataclass
+class Model:
+  """What inference needs from a checkpoint or an export."""
+  path: str
+  step: int
+  config: dict
+  assets: TextAssets
+  averaged_steps: list[int]
+
+
+def read_model(path: str) -> Model:
+  """The JSON items of a checkpoint or export (no arrays are read)."""
+  json = read(epath.Path(path), manifest=ocp.args.JsonRestore(), config=ocp.args.JsonRestore(),
+              tokenizer=ocp.args.JsonRestore())
+  manifest = json["manifest"]
+  return Model(path=str(path), step=int(manifest["step"]), config=json["config"],
+               assets=load_tokenizer_item(json["tokenizer"]),
+               averaged_steps=list(manifest.get("averaged_steps", [manifest["step"]])))
+
+
+def restore_params(path: str, abstract_params: Any | None = None) -> Any:
+  """The verified parameters of a checkpoint or export. With `abstract_params` (a tree of
+  ShapeDtypeStructs) they are restored to its structure and shardings, else as saved, on
+  the default device."""
+  path = epath.Path(path)
+  manifest = read(path, manifest=ocp.args.JsonRestore())["manifest"]
+  if abstract_params is not None:
+    saved = without_fingerprints(manifest["leaves"]["params"])
+    expected = signature(abstract_params)
+    paths = differing(saved, expected)
+    if paths:
+      raise IncompatibleCheckpointError(
+          f"{path}: the parameters do not fit the model of its config ({len(paths)} "
+          f"arrays differ; {paths[0]}: saved {describe_leaf(saved.get(paths[0]))}, "
+          f"model {describe_leaf(expected.get(paths[0]))})")
+  restore = ocp.args.StandardRestore(
+      abstract_params, fallback_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  params = read(path, params=restore)["params"]
+  verify("params", params, manifest, str(path))
+  return params
+
+
+def first_good(paths: Sequence[str], load: Callable[[str], T]) -> tuple[str, T, list[str]]:
+  """(path, load(path), damaged paths) for the first of `paths` that loads. A path whose
+  load raises anything but IncompatibleCheckpointError is damaged: logged and skipped."""
+  damaged = []
+  for path in paths:
+    try:
+      return path, load(path), damaged
+    except IncompatibleCheckpointError:
+      raise
+    except Exception as e:  # Unreadable, or not what was written.
+      logging.warning("checkpoint %s is damaged and will not be used: %s: %s", path,
+                      type(e).__name__, str(e).split("\n")[0][:500])
+      damaged.append(path)
+  raise DamagedCheckpointError(f"none of the checkpoints {list(paths)} can be restored; see "
+                               "the warnings above")
+
+
+# ------------------------------------------------------------------------- exports
+def select_steps(available: list[int], step: str, average: int, best: int | None) -> list[int]:
+  """The `average` checkpoints of `available` ending at `step` ('latest', 'best' or a
+  number; `best` is best_step's answer), for `export`; errors name the export CLI's flags."""
+  if not available:
+    raise ValueError("there are no checkpoints to export")
+  if average < 1:
+    raise ValueError(f"--average={average}: must be >= 1")
+  if step == "latest":
+    last = available[-1]
+  elif step == "best":
+    if best is None:
+      raise ValueError("--step=best: no checkpoint has evaluation metrics; train with "
+                       "--config.keep_best_checkpoints=N")
+    last = best
+  elif step.isdigit() and int(step) in available:
+    last = int(step)
+  else:
+    raise ValueError(f"--step={step}: not a checkpoint; the checkpoints are at steps "
+                     f"{available}")
+  chosen = [s for s in available if s <= last][-average:]
+  if len(chosen) < average:
+    raise ValueError(f"--average={average}: only {len(chosen)} checkpoints up to step {last} "
+                     f"exist ({chosen}); keep more with --config.keep_checkpoints")
+  return chosen
+
+
+def export(checkpoint_dir: str, steps: Sequence[int], output: str) -> str:
+  """Writes the parameters of checkpoint `steps` (their mean if several: the paper's
+  checkpoint averaging, §6.1) with the newest one's config and tokenizer as a params-only
+  checkpoint at `output`. Returns `output`."""
+  steps = sorted(steps)
+  if not steps:
+    raise ValueError("no checkpoints to export")
+  output_path = absolute(output)
+  if output_path.exists():
+    raise FileExistsError(f"{output_path} already exists; choose another --output")
+  paths = [absolute(checkpoint_dir) / str(s) for s in steps]
+  newest = read(paths[-1], manifest=ocp.args.JsonRestore(), config=ocp.args.JsonRestore(),
+                tokenizer=ocp.args.JsonRestore())
+  total = None
+  for path in paths:
+    params = jax.tree_util.tree_map(np.asarray, restore_params(str(path)))
+    if signature(params) != without_fingerprints(newest["manifest"]["leaves"]["params"]):
+      raise IncompatibleCheckpointError(
+          f"cannot average {path} with {paths[-1]}: their parameters differ in shape")
+    as64 = jax.tree_util.tree_map(lambda x: x.astype(np.float64), params)
+    total = as64 if total is None else jax.tree_util.tree_map(np.add, total, as64)
+  # The mean is taken in float64 and rounded once to each parameter's dtype.
+  mean = jax.tree_util.tree_map(lambda t, p: (t / len(paths)).astype(p.dtype), total, params)
+  manifest = {"step": steps[-1], "averaged_steps": steps,
+              "leaves": {"params": describe(mean)}}
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    checkpointer.save(output_path, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(mean), config=ocp.args.JsonSave(newest["config"]),
+        tokenizer=ocp.args.JsonSave(newest["tokenizer"]), manifest=ocp.args.JsonSave(manifest)))
+  return str(output_path)
+
+
+# ------------------------------------------------------------------------ discovery
+def _reading_manager(directory: str, best_fn: Callable[[dict], float] | None = None,
+                     best_mode: str = "max") -> ocp.CheckpointManager:
+  """A manager only used to list steps; it writes nothing (read_only=True would do the same
+  but logs a warning each time)."""
+  return ocp.CheckpointManager(
+      absolute(directory), options=ocp.CheckpointManagerOptions(
+          create=False, best_fn=best_fn, best_mode=best_mode))
+
+
+def checkpoint_steps(directory: str) -> list[int]:
+  """Steps of the complete checkpoints in a checkpoints directory, ascending."""
+  with _reading_manager(directory) as manager:
+    return list(manager.all_steps())
+
+
+def best_step(directory: str) -> int | None:
+  """The best checkpoint by the run's config.best_checkpoint_metric, among those saved
+  with evaluation metrics (keep_best_checkpoints > 0); None if there are none."""
+  steps = checkpoint_steps(directory)
+  if not steps:
+    return None
+  config = read(absolute(directory) / str(steps[-1]), config=ocp.args.JsonRestore())["config"]
+  metric = config.get("best_checkpoint_metric")
+  if not metric:
+    return None
+  with _reading_manager(directory, lambda m: float(m[metric]),
+                        config.get("best_checkpoint_mode", "max")) as manager:
+    return manager.best_step()
+
+
+def _is_complete(path: epath.Path) -> bool:
+  return path.is_dir() and ocp.step.is_path_finalized(path) and (path / "manifest").exists()
+
+
+def _export_step(path: epath.Path) -> int:
+  try:
+    return int(read(path, manifest=ocp.args.JsonRestore())["manifest"]["step"])
+  except Exception:  # An unreadable export ranks last; loading it reports the damage.
+    return -1
+
+
+def models(workdir: str) -> list[str]:
+  """The checkpoints and exports of a workdir, best first, as `predict` tries them: by
+  training step, newest first, and at the same step an export (e.g. an average) before the
+  training checkpoint."""
+  ranked = []
+  exports = epath.Path(workdir) / EXPORT_DIR
+  if exports.is_dir():
+    ranked += [(_export_step(p), 1, str(p)) for p in exports.iterdir() if _is_complete(p)]
+  checkpoints = epath.Path(workdir) / CHECKPOINT_DIR
+  if checkpoints.is_dir():
+    ranked += [(step, 0, str(checkpoints / str(step))) for step in checkpoint_steps(checkpoints)]
+  return [path for *_, path in sorted(ranked, reverse=True)]
