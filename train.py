@@ -10,12 +10,16 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from transformer_jax.checkpoint import DamagedCheckpointError, IncompatibleCheckpointError
+from transformer_jax.run_config import renamed_overrides
 from transformer_jax.training.loop import evaluate_saved, train_and_evaluate
 
 # The default config is found next to this file, so `python path/to/train.py` works from any
 # directory; --config=PATH is relative to the current directory as usual.
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py")
 
+if renamed_overrides(sys.argv[1:]):   # Fields that moved: say where to, before absl's "unknown".
+  sys.stderr.write("error: " + "; ".join(renamed_overrides(sys.argv[1:])) + "\n")
+  sys.exit(2)
 try:
   _CONFIG = config_flags.DEFINE_config_file(
       "config", _DEFAULT_CONFIG, "Config file (ml_collections); fields are overridable "

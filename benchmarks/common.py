@@ -79,10 +79,11 @@ def setup() -> Setup:
   vocab_size = FLAGS.vocab_size or data.get("vocab_size")
   src_length = tgt_length = data.get("max_length")
   if data.get("source") == "synthetic":         # sizes come from the synthetic task
-    from transformer_jax.data.sources import make_source
-    task = make_source(config)
-    vocab_size = vocab_size or task.vocab.vocab_size
-    src_length, tgt_length = task.src_length, task.tgt_length
+    from transformer_jax.data.synthetic import SyntheticData
+    synthetic = SyntheticData(data.synthetic_task, data.min_length, data.max_length,
+                              config.seed)
+    vocab_size = vocab_size or synthetic.vocab.vocab_size
+    src_length, tgt_length = synthetic.src_length, synthetic.tgt_length
   src_length = FLAGS.src_length or src_length
   tgt_length = FLAGS.tgt_length or tgt_length
   for name, value in (("vocab_size", vocab_size), ("src_length", src_length),

@@ -27,6 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 500
   config.keep_checkpoints = 2
   config.batch_size = 16              # packed rows of data.max_length tokens
+  config.best_checkpoint_metric = "eval/f1"
   config.label_smoothing = 0.0
 
   config.data = default.text_data(
@@ -39,5 +40,5 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.optimizer.update(dict(name="adamw", weight_decay=0.01, schedule="warmup_cosine",
                                learning_rate=1e-3, warmup_steps=300, clip_grad_norm=1.0))
-  config.decode.update(dict(batch_size=64, num_samples=3))
+  config.eval.update(dict(batch_size=64, examples=0, num_samples=3))
   return config

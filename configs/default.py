@@ -26,10 +26,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.data = ml_collections.ConfigDict()
   config.data.source = "synthetic"
-  config.data.task = "reverse"        # reverse | sort | add
+  config.data.synthetic_task = "reverse"   # reverse | sort | add
   config.data.min_length = 2
   config.data.max_length = 16
-  config.data.eval_examples = 1000
 
   # TransformerConfig fields (vocab sizes come from the data).
   config.model = ml_collections.ConfigDict(dict(
@@ -46,11 +45,13 @@ def get_config() -> ml_collections.ConfigDict:
   # Annealing to 0 matters here: with the paper's rsqrt decay the same model plateaus
   # below 99% exact match in this budget.
 
-  # batch_size: rows per evaluation batch (teacher-forced loss and decoding alike).
+  # Search options for evaluation and predict.
   config.decode = ml_collections.ConfigDict(dict(
-      beam_size=4, alpha=0.6, max_extra_length=4, eval_examples=1000, batch_size=250,
-      num_samples=5,
+      beam_size=4, alpha=0.6, max_extra_length=4,
       bio_constrained=True))   # tagging: most likely valid BIO sequence (False: argmax per word)
+  # Periodic evaluation: the first `examples` of the eval split (0 = all), teacher-forced
+  # loss and decoding alike, `batch_size` rows per batch; `num_samples` printed.
+  config.eval = ml_collections.ConfigDict(dict(batch_size=250, examples=1000, num_samples=5))
   # Device mesh (sharding.py): -1 takes the remaining devices. Multi-host: set
   # distributed.initialize=True (cluster read from the environment on Cloud TPU/SLURM), or
   # give coordinator_address "host:port", num_processes and process_id.
@@ -81,7 +82,6 @@ def text_data(**fields) -> ml_collections.ConfigDict:
       pack=True,                 # several examples per row (False: one, padded)
       max_segments=0,            # classification: label slots per packed row
       eval_max_length=128,       # evaluation: longest bucket (longer examples truncated)
-      eval_examples=0,           # periodic evaluation on the first N examples (0 = all)
       prefetch=2))               # batches prepared ahead in a background thread
   data.update(fields)
   return data

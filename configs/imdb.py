@@ -20,13 +20,13 @@ from configs import default
 def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.task = "classification"
-  config.pooling = "mean"
   config.num_train_steps = 10_000
   config.log_every_steps = 100
   config.eval_every_steps = 2000
   config.checkpoint_every_steps = 1000
   config.keep_checkpoints = 2
   config.batch_size = 32              # packed rows of data.max_length tokens
+  config.best_checkpoint_metric = "eval/accuracy"
   config.label_smoothing = 0.0
 
   config.data = default.text_data(
@@ -37,8 +37,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.update(dict(
       d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=4, num_decoder_layers=0,
       dropout_rate=0.1, attention_dropout_rate=0.1, max_len=512))
+  config.model.pooling = "mean"       # mean | max | first (the classifier's head)
 
   config.optimizer.update(dict(name="adamw", weight_decay=0.01, schedule="warmup_cosine",
                                learning_rate=5e-4, warmup_steps=1000, clip_grad_norm=1.0))
-  config.decode.update(dict(batch_size=64, num_samples=3))
+  config.eval.update(dict(batch_size=64, examples=0, num_samples=3))
   return config

@@ -24,12 +24,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 500
   config.keep_checkpoints = 2
   config.batch_size = 48              # packed rows of data.max_length tokens
+  config.best_checkpoint_metric = "eval/bleu"
   config.label_smoothing = 0.1
 
   config.data = default.text_data(
       dir="../shared/data/multi30k", source_language="de", target_language="en",
       eval_split="val", test_split="test_2016_flickr", vocab_size=8000, max_length=64,
-      eval_max_length=128, eval_examples=0)
+      eval_max_length=128)
 
   config.model.update(dict(
       d_model=256, num_heads=4, d_ff=512, num_encoder_layers=3, num_decoder_layers=3,
@@ -38,6 +39,6 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.update(dict(schedule="warmup_cosine", learning_rate=1e-3,
                                warmup_steps=800, clip_grad_norm=1.0))
 
-  config.decode.update(dict(beam_size=4, alpha=0.6, max_extra_length=20, eval_examples=0,
-                            batch_size=100, num_samples=3))
+  config.decode.update(dict(beam_size=4, alpha=0.6, max_extra_length=20))
+  config.eval.update(dict(batch_size=100, examples=0, num_samples=3))
   return config

@@ -16,7 +16,6 @@ from configs import default
 def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.task = "classification"
-  config.pooling = "max"              # mean | max | first
   # ~3 epochs of phrases: dev accuracy peaks early and then the model overfits.
   config.num_train_steps = 1500
   config.log_every_steps = 100
@@ -24,6 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 250
   config.keep_checkpoints = 3         # the last three, for `export --average 3`
   config.batch_size = 32              # packed rows of data.max_length tokens
+  config.best_checkpoint_metric = "eval/accuracy"
   config.label_smoothing = 0.0
 
   # Words seen once map to their shape class: 82.3% dev accuracy against 81.3% with every
@@ -36,8 +36,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.update(dict(
       d_model=128, num_heads=4, d_ff=256, num_encoder_layers=2, num_decoder_layers=0,
       dropout_rate=0.3, attention_dropout_rate=0.1, max_len=64))
+  config.model.pooling = "max"        # mean | max | first (the classifier's head)
 
   config.optimizer.update(dict(name="adamw", weight_decay=0.05, schedule="warmup_cosine",
                                learning_rate=1e-3, warmup_steps=300, clip_grad_norm=1.0))
-  config.decode.update(dict(batch_size=128, num_samples=3))
+  config.eval.update(dict(batch_size=128, examples=0, num_samples=3))
   return config

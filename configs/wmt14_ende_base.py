@@ -16,11 +16,12 @@ evaluated during training and newstest2014 (test) at the end.
 import ml_collections
 
 from configs import default
+from transformer_jax.config import TransformerConfig
 
 
 def get_config(big: bool = False) -> ml_collections.ConfigDict:
   config = default.get_config()
-  d_model, d_ff, heads, dropout = (1024, 4096, 16, 0.3) if big else (512, 2048, 8, 0.1)
+  preset = TransformerConfig.big if big else TransformerConfig.base   # paper Table 3
 
   config.num_train_steps = 300_000 if big else 100_000
   config.log_every_steps = 100
@@ -30,36 +31,26 @@ def get_config(big: bool = False) -> ml_collections.ConfigDict:
   config.batch_size = 96              # packed rows of data.max_length tokens
   config.grad_accum_steps = 1
   config.label_smoothing = 0.1        # §5.4
+  config.best_checkpoint_metric = "eval/bleu"
 
   config.data = default.text_data(
       source="tfds", name="wmt14_translate/de-en", source_language="en",
       target_language="de", vocab_size=37000, tokenizer_max_examples=2_000_000,
-      max_length=256, eval_max_length=512, eval_split="validation", test_split="test",
-      eval_examples=3000)
+      max_length=256, eval_max_length=512, eval_split="validation", test_split="test")
 
-  config.model = ml_collections.ConfigDict(dict(
-      d_model=d_model, num_heads=heads, d_ff=d_ff, num_encoder_layers=6,
-      num_decoder_layers=6, dropout_rate=dropout, attention_dropout_rate=0.0,
-      activation_dropout_rate=0.0, max_len=512, share_embeddings=True, tie_output=True,
-      norm_position="post", positional="sinusoidal", activation="relu",
-      attention_impl="xla", dtype="float32", param_dtype="float32", scan_layers=False,
-      remat_policy="none", fused_qkv=False))
+  # Every TransformerConfig field of the preset; the vocabulary sizes come from the data.
+  model = preset(vocab_size=config.data.vocab_size).to_dict()
+  del model["vocab_size"], model["target_vocab_size"]
+  config.model = ml_collections.ConfigDict(model)
 
   warmup = 4000
   config.optimizer = ml_collections.ConfigDict(dict(
       name="adam", b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.0, schedule="rsqrt",
       # Peak of lrate = d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), reached at warmup.
-      learning_rate=d_model ** -0.5 * warmup ** -0.5, warmup_steps=warmup,
+      learning_rate=model["d_model"] ** -0.5 * warmup ** -0.5, warmup_steps=warmup,
       clip_grad_norm=0.0))
 
   # §6.1: beam 4, alpha 0.6, maximum output length = input length + 50.
-  config.decode = ml_collections.ConfigDict(dict(
-      beam_size=4, alpha=0.6, max_extra_length=50, eval_examples=3000, batch_size=64,
-      num_samples=5))
-  # Device mesh (sharding.py): -1 takes the remaining devices. Multi-host: set
-  # distributed.initialize=True (cluster read from the environment on Cloud TPU/SLURM), or
-  # give coordinator_address "host:port", num_processes and process_id.
-  config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
-  config.distributed = ml_collections.ConfigDict(dict(
-      initialize=False, coordinator_address="", num_processes=0, process_id=-1))
+  config.decode.update(dict(beam_size=4, alpha=0.6, max_extra_length=50))
+  config.eval.update(dict(batch_size=64, examples=3000, num_samples=5))
   return config

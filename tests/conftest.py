@@ -57,6 +57,17 @@ def tiny_config(**overrides) -> TransformerConfig:
   return TransformerConfig.small(vocab_size=vocab_size, **params)
 
 
+def featurizing_task(name: str, tokenizer, labels=("a", "b", "c"), target_tokenizer=None,
+                     **config):
+  """The task `name` over `tokenizer` with a tiny model: what the data pipeline featurizes
+  with (the model is built lazily, so this is cheap)."""
+  from transformer_jax import tasks
+  cls = tasks.task_class(name)
+  cfg = tiny_config(vocab_size=tokenizer.vocab_size, **config)
+  return cls(cfg, tokenizer=tokenizer, target_tokenizer=target_tokenizer,
+             labels=list(labels) if cls.needs_labels else None)
+
+
 def random_tokens(seed: int, batch: int, length: int, vocab: int = VOCAB) -> np.ndarray:
   """Real (non-padding) token ids in [PAD_ID + 1, vocab), int32, shape (batch, length)."""
   rng = np.random.default_rng(seed)

@@ -40,5 +40,5 @@ class SourceWrapper:
   def __getattr__(self, name: str) -> Any:
     return getattr(self._source, name)
 
-  def train_iterator(self, batch_size: int) -> BatchesWrapper:
-    return self._wrap(self._source.train_iterator(batch_size))
+  def train_iterator(self, task: Any, batch_size: int) -> BatchesWrapper:
+    return self._wrap(self._source.train_iterator(task, batch_size))

@@ -17,7 +17,7 @@ from absl import app  # noqa: E402
 
 from data_wrappers import BatchesWrapper, SourceWrapper  # noqa: E402
 import train  # noqa: E402  (defines train.py's flags)
-from transformer_jax.training import loop  # noqa: E402
+from transformer_jax.training import experiment  # noqa: E402
 
 GATE_AFTER = int(os.environ["GATE_AFTER"])
 GATE_FILE = os.environ["GATE_FILE"]
@@ -36,8 +36,8 @@ class GatedBatches(BatchesWrapper):
     return next(self.batches)
 
 
-_make_source = loop.make_source
-loop.make_source = lambda *args: SourceWrapper(_make_source(*args), GatedBatches)
+_make_source = experiment.make_source
+experiment.make_source = lambda *args: SourceWrapper(_make_source(*args), GatedBatches)
 
 if __name__ == "__main__":
   app.run(train.main)

@@ -12,7 +12,8 @@ import pytest
 from conftest import tiny_config
 from transformer_jax.bio import allowed_transitions, viterbi
 from transformer_jax.metrics import entity_spans
-from transformer_jax.training.tasks import make_task
+from transformer_jax.run_config import DecodeOptions
+from transformer_jax.tasks import TaggingTask
 
 LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
 
@@ -76,18 +77,18 @@ def test_tagging_task_decodes_valid_bio_and_config_can_turn_it_off():
   never are, and they keep the argmax wherever the argmax sequence is valid."""
   labels = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG"]
   cfg = tiny_config(num_decoder_layers=0)
-  off = ml_collections.ConfigDict(dict(bio_constrained=False))
-  constrained = make_task("tagging", cfg, labels=labels)
-  argmax = make_task("tagging", cfg, labels=labels, decode=off)
-  assert constrained.bio_constrained and not argmax.bio_constrained
+  task = TaggingTask(cfg, labels=labels)
+  on, off = DecodeOptions(), DecodeOptions(bio_constrained=False)
+  assert on.bio_constrained and not off.bio_constrained
   rng = np.random.default_rng(0)
   tokens = rng.integers(4, cfg.vocab_size, size=(16, 12)).astype(np.int32)
   tokens[:, 9:] = 0                                                   # padding
   batch = {"tokens": tokens, "positions": np.tile(np.arange(12, dtype=np.int32), (16, 1)),
            "segment_ids": (tokens != 0).astype(np.int32)}
-  params = constrained.init_params(jax.random.PRNGKey(3))
+  params = task.init_params(jax.random.PRNGKey(3))
   valid_rows = 0
-  for fixed, free in zip(constrained.predict(params, batch), argmax.predict(params, batch)):
+  for fixed, free in zip(task.predict_tags(params, batch, on),
+                         task.predict_tags(params, batch, off)):
     assert len(fixed) == len(free) == 9 and _valid(fixed)
     if _valid(free):
       valid_rows += 1

@@ -15,15 +15,15 @@ import ml_collections
 import pytest
 
 from cli_helpers import finish as _finish, start as _start
-from transformer_jax.data.sources import make_source
+from transformer_jax.data.synthetic import SyntheticData
 from transformer_jax.predict import Predictor
 
 # A tiny model and run: a few seconds of training on a CPU.
 TINY_OVERRIDES = [
     "--config.num_train_steps=4", "--config.log_every_steps=2",
     "--config.eval_every_steps=100", "--config.checkpoint_every_steps=100",
-    "--config.batch_size=8", "--config.data.max_length=4", "--config.data.eval_examples=8",
-    "--config.decode.eval_examples=4", "--config.decode.batch_size=4",
+    "--config.batch_size=8", "--config.data.max_length=4", "--config.eval.examples=4",
+    "--config.eval.batch_size=4",
     "--config.model.d_model=32", "--config.model.num_heads=2", "--config.model.d_ff=64",
     "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
     "--config.model.max_len=16", "--config.optimizer.warmup_steps=2",
@@ -74,7 +74,8 @@ def _sample_sources(workdir: str) -> list[str]:
   and a source longer than any seen in training."""
   with open(os.path.join(workdir, "config.json")) as f:
     config = ml_collections.ConfigDict(json.load(f))
-  source = make_source(config)
+  data = config.data
+  source = SyntheticData(data.synthetic_task, data.min_length, data.max_length, config.seed)
   return [s for s, _ in source.eval_examples(7)] + ["5", "", "9 8 7 6 5 4 3"]
 
 
@@ -96,9 +97,10 @@ def test_predict_cli_matches_in_process_predictor(trained_workdir, tmp_path):
   assert predictor.step == 4
   expected = []
   for start in range(0, len(lines), batch_size):   # The CLI decodes batch by batch.
-    expected += predictor.translate(lines[start:start + batch_size], beam_size, alpha)
+    expected += predictor.predict_lines(lines[start:start + batch_size],
+                                        predictor.decode_options(beam_size=beam_size, alpha=alpha))
   assert predicted == expected
-  symbols = set(predictor.vocab.symbols)
+  symbols = set(predictor.task.tokenizer.symbols)
   assert all(set(line.split()) <= symbols for line in predicted)
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from configs.default import text_data
+from conftest import featurizing_task
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer_jax.data import pipeline, readers
 from transformer_jax.data.corpus import local_corpus
@@ -23,6 +24,7 @@ from transformer_jax.data.readers import DataFormatError
 from transformer_jax.data.text_data import TextData
 from transformer_jax.data.tokenizer import SentencePieceTokenizer, WordVocab, load_tokenizer
 from transformer_jax.data.vocab import SymbolVocab
+from transformer_jax.tasks import TranslationTask
 
 DIGITS = SymbolVocab([str(d) for d in range(10)])
 
@@ -54,7 +56,7 @@ def digit_records(count: int, seed: int = 0, max_len: int = 9) -> list[dict]:
 def seq2seq_iterator(records, **kwargs) -> pipeline.TrainIterator:
   args = dict(batch_size=4, max_length=16, seed=0, prefetch=0)
   args.update(kwargs)
-  return pipeline.train_iterator(records, pipeline.Featurizer("seq2seq", DIGITS), **args)
+  return pipeline.train_iterator(records, featurizing_task("seq2seq", DIGITS), **args)
 
 
 def packed_sources(batches) -> list[tuple[int, ...]]:
@@ -213,13 +215,13 @@ def test_tokenizer_is_trained_once_and_reused_from_the_workdir(tmp_path):
   _multi30k_like(tmp_path / "a", [(t.upper(), t) for t in TEXTS])
   _multi30k_like(tmp_path / "b", [("xyz " * 5, "qqq " * 3)] * 50)
   workdir = str(tmp_path / "work")
-  first = TextData(local_corpus("seq2seq", config), config, 0, workdir)
+  first = TextData(TranslationTask, local_corpus(TranslationTask, config), config, 0, workdir)
   assert "trained" in first.summary and os.path.exists(os.path.join(workdir, "vocab.json"))
   config.dir = str(tmp_path / "b")
-  second = TextData(local_corpus("seq2seq", config), config, 0, workdir)
+  second = TextData(TranslationTask, local_corpus(TranslationTask, config), config, 0, workdir)
   assert "loaded" in second.summary
   assert second.tokenizer.model_proto == first.tokenizer.model_proto
-  fresh = TextData(local_corpus("seq2seq", config), config, 0, str(tmp_path / "other"))
+  fresh = TextData(TranslationTask, local_corpus(TranslationTask, config), config, 0, str(tmp_path / "other"))
   assert fresh.tokenizer.model_proto != first.tokenizer.model_proto   # Control.
 
 
@@ -306,8 +308,8 @@ def test_length_limit_counts_what_it_drops_or_truncates(policy):
 
 def test_eval_buckets_keep_every_example_in_few_static_shapes():
   records = digit_records(70, max_len=40)
-  featurizer = pipeline.Featurizer("seq2seq", DIGITS)
-  batches, counts = pipeline.eval_batches(records, featurizer, batch_size=8, max_length=32)
+  task = featurizing_task("seq2seq", DIGITS)
+  batches, counts = pipeline.eval_batches(records, task, batch_size=8, max_length=32)
   assert sorted(r["source"] for b in batches for r in b.records) == sorted(
       r["source"] for r in records)
   shapes = {b.arrays["src"].shape for b in batches}
@@ -327,23 +329,25 @@ def test_separate_source_and_target_vocabularies(tmp_path):
                      eval_split="val", vocab_size=80, shared_vocab=False)
   _multi30k_like(tmp_path / "a", [(t.upper(), t) for t in TEXTS])
   workdir = str(tmp_path / "work")
-  data = TextData(local_corpus("seq2seq", config), config, 0, workdir)
+  data = TextData(TranslationTask, local_corpus(TranslationTask, config), config, 0, workdir)
   assert data.target_tokenizer is not data.tokenizer
   assert os.path.exists(os.path.join(workdir, "target_vocab.json"))
   assert data.tokenizer.pieces("A DOG") != data.target_tokenizer.pieces("A DOG")
-  for batch in data.eval_batches("val", batch_size=4, limit=3):
+  task = featurizing_task("seq2seq", data.tokenizer, target_tokenizer=data.target_tokenizer)
+  for batch in data.eval_batches(task, "val", batch_size=4, limit=3):
     for row, record in zip(batch.arrays["tgt_out"], batch.records):
       assert data.target_tokenizer.decode(row) == record["target"]
-  reloaded = TextData(local_corpus("seq2seq", config), config, 0, workdir)
+  reloaded = TextData(TranslationTask, local_corpus(TranslationTask, config), config, 0, workdir)
   assert reloaded.target_tokenizer.model_proto == data.target_tokenizer.model_proto
   assert reloaded.tokenizer.model_proto == data.tokenizer.model_proto
   # The model gets both sizes; one shared embedding table cannot serve two vocabularies.
   from configs import multi30k
-  from transformer_jax.training.loop import model_config
+  from transformer_jax.training.experiment import model_config
   run = multi30k.get_config()
+  sizes = (data.tokenizer.vocab_size, data.target_tokenizer.vocab_size)
   with pytest.raises(ValueError, match="share_embeddings"):
-    model_config(run, data)
+    model_config(run, TranslationTask, *sizes)
   run.model.share_embeddings = False
-  cfg = model_config(run, data)
+  cfg, _ = model_config(run, TranslationTask, *sizes)
   assert (cfg.vocab_size, cfg.tgt_vocab_size) == (data.tokenizer.vocab_size,
                                                   data.target_tokenizer.vocab_size)

@@ -18,8 +18,7 @@ STEPS = 10
 RUN_FLAGS = [
     f"--config.num_train_steps={STEPS}", "--config.log_every_steps=5",
     f"--config.eval_every_steps={STEPS}", f"--config.checkpoint_every_steps={STEPS}",
-    "--config.batch_size=32", "--config.data.eval_examples=32",
-    "--config.decode.eval_examples=8", "--config.decode.batch_size=8",
+    "--config.batch_size=32", "--config.eval.examples=8", "--config.eval.batch_size=8",
     "--config.model.d_model=32", "--config.model.d_ff=64", "--config.model.num_heads=4",
     "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
     "--config.mesh.data=-1",

@@ -29,8 +29,7 @@ TINY = [
     f"--config.num_train_steps={STEPS}", "--config.log_every_steps=2",
     "--config.checkpoint_every_steps=4", "--config.eval_every_steps=100",
     "--config.keep_checkpoints=3", "--config.batch_size=8", "--config.data.max_length=4",
-    "--config.data.eval_examples=8", "--config.decode.eval_examples=4",
-    "--config.decode.batch_size=4", "--config.decode.beam_size=1", "--config.model.d_model=32",
+    "--config.eval.examples=4", "--config.eval.batch_size=4", "--config.decode.beam_size=1", "--config.model.d_model=32",
     "--config.model.num_heads=2",
     "--config.model.d_ff=64", "--config.model.num_encoder_layers=1",
     "--config.model.num_decoder_layers=1", "--config.model.max_len=16",
@@ -189,7 +188,7 @@ def test_export_and_average_load_into_predict(straight, tmp_path):
   for a, e in zip(jax.tree_util.tree_leaves(predictor.params), jax.tree_util.tree_leaves(mean)):
     assert np.asarray(a).tobytes() == np.asarray(e, np.float32).tobytes()
   lines = ["1 2 3", "4 0", "7"]
-  assert len(predictor.translate(lines)) == 3
+  assert len(predictor.predict_lines(lines)) == 3
 
   code, output = _finish(eval_average)
   assert code == 0, output
@@ -208,4 +207,4 @@ def test_export_and_average_load_into_predict(straight, tmp_path):
   checkpoint.export(os.path.join(workdir, "checkpoints"), [STEPS], single)
   shutil.rmtree(workdir)
   exported = Predictor(checkpoint_path=single)
-  assert exported.translate(lines) == checkpoints[1].translate(lines)
+  assert exported.predict_lines(lines) == checkpoints[1].predict_lines(lines)

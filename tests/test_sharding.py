@@ -17,12 +17,12 @@ import optax
 import pytest
 
 from conftest import assert_close, random_tokens, tiny_config
-from transformer_jax import BOS_ID, EOS_ID, Transformer, sharding
+from transformer_jax import BOS_ID, EOS_ID, sharding
 from transformer_jax.checkpoint import TrainCheckpoints
 from transformer_jax.training.state import (checkpoint_arrays, create_train_state,
                                             new_train_state, state_from_checkpoint)
 from transformer_jax.training.steps import make_eval_step, make_train_step
-from transformer_jax.training.tasks import Seq2SeqTask
+from transformer_jax.tasks import TranslationTask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = {                      # the issue's layouts on 8 devices
@@ -50,17 +50,17 @@ def _batch(rows: int = 16) -> dict[str, np.ndarray]:
           "tgt_out": np.concatenate([tgt, eos], 1)}
 
 
-TASK = Seq2SeqTask(Transformer(CFG), label_smoothing=0.1)
+TASK = TranslationTask(CFG, label_smoothing=0.1)
 
 
 def _init_fn(batch):
-  return lambda: new_train_state(TASK.init_params(jax.random.PRNGKey(0), batch), OPTIMIZER, 0)
+  return lambda: new_train_state(TASK.init_params(jax.random.PRNGKey(0)), OPTIMIZER, 0)
 
 
 def _train_single_device():
   """The plain, unsharded path: the reference."""
   batch = _batch()
-  state = create_train_state(TASK.init_params(jax.random.PRNGKey(0), batch), OPTIMIZER, 0)
+  state = create_train_state(TASK.init_params(jax.random.PRNGKey(0)), OPTIMIZER, 0)
   step = make_train_step(TASK, OPTIMIZER, lambda s: 3e-3)
   losses = []
   for _ in range(STEPS):
@@ -158,7 +158,7 @@ def _param_bytes_per_device(params) -> int:
 def test_parameters_and_optimizer_state_are_sharded_as_the_rules_say():
   batch = _batch()
   total = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(jax.eval_shape(
-      lambda: TASK.init_params(jax.random.PRNGKey(0), batch))))
+      lambda: TASK.init_params(jax.random.PRNGKey(0)))))
   per_device = {}
   for name, sizes in [("data8", dict(data=8)), ("fsdp8", dict(fsdp=8)),
                       ("tensor4", dict(data=2, tensor=4))]:
@@ -184,9 +184,9 @@ def test_parameters_and_optimizer_state_are_sharded_as_the_rules_say():
 @needs_8_devices
 def test_indivisible_dimensions_are_replicated_not_refused():
   cfg = tiny_config(num_heads=2)                        # 2 heads cannot split 4 ways
-  task = Seq2SeqTask(Transformer(cfg))
+  task = TranslationTask(cfg)
   batch = _batch()
-  init = lambda: new_train_state(task.init_params(jax.random.PRNGKey(0), batch), OPTIMIZER, 0)
+  init = lambda: new_train_state(task.init_params(jax.random.PRNGKey(0)), OPTIMIZER, 0)
   state, _ = sharding.create_sharded(init, sharding.make_mesh(dict(data=2, tensor=4)))
   assert _spec(state, "['query']['kernel']") == jax.sharding.PartitionSpec("fsdp", None, None)
 
@@ -252,13 +252,13 @@ def test_scanned_fused_model_shards_and_matches_one_device():
   (replicated), the other axes shard as the rules say, and the sharded model computes the
   one-device loss."""
   cfg = CFG.replace(scan_layers=True, fused_qkv=True, dropout_rate=0.0)
-  task = Seq2SeqTask(Transformer(cfg), label_smoothing=0.1)
+  task = TranslationTask(cfg, label_smoothing=0.1)
   batch = _batch()
-  params = task.init_params(jax.random.PRNGKey(0), batch)
+  params = task.init_params(jax.random.PRNGKey(0))
   want = make_eval_step(task)(nn.meta.unbox(params), batch)
   mesh = sharding.make_mesh(dict(data=2, fsdp=2, tensor=2))
   state, state_sharding = sharding.create_sharded(
-      lambda: new_train_state(task.init_params(jax.random.PRNGKey(0), batch), OPTIMIZER, 0),
+      lambda: new_train_state(task.init_params(jax.random.PRNGKey(0)), OPTIMIZER, 0),
       mesh)
   qkv = state_sharding.params["encoder"]["layers"]["self_attention"]["qkv"]["kernel"].spec
   assert tuple(qkv) == (None, "fsdp", None, "tensor", None)   # layers, embed, qkv, heads, kv

@@ -17,10 +17,10 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import tiny_config
+from conftest import featurizing_task, tiny_config
+from transformer_jax import tasks
 from transformer_jax.data import pipeline
 from transformer_jax.metrics import entity_f1, entity_spans
-from transformer_jax.training.tasks import make_task
 from test_data import DIGITS, digit_records, seq2seq_iterator
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -30,7 +30,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 def _task_and_params(kind: str):
   cfg = tiny_config(vocab_size=DIGITS.vocab_size, max_len=32,
                     num_decoder_layers=1 if kind == "seq2seq" else 0)
-  task = make_task(kind, cfg, labels=["a", "b", "c"])
+  task = tasks.task_class(kind)(cfg, labels=["a", "b", "c"])
   params = jax.jit(task.init_params)(jax.random.PRNGKey(1))
   return task, params
 
@@ -49,8 +49,8 @@ def _segments(segment_ids: np.ndarray):
 
 def _rows_of(kind: str, records: list[dict], length: int) -> dict:
   """Each record alone in its own row (the unpacked reference)."""
-  featurizer = pipeline.Featurizer(kind, DIGITS)
-  batches, _ = pipeline.eval_batches(records, featurizer, batch_size=len(records),
+  batches, _ = pipeline.eval_batches(records, featurizing_task(kind, DIGITS),
+                                     batch_size=len(records),
                                      max_length=length)
   (batch,) = batches
   return batch.arrays
@@ -103,7 +103,7 @@ class _DigitWords:
 @pytest.mark.parametrize("kind", ["classification", "tagging"])
 def test_packed_and_unpacked_encoder_tasks_give_the_same_outputs(kind):
   records = _encoder_records(kind, 12)
-  featurizer = pipeline.Featurizer(kind, DIGITS if kind == "classification" else _DigitWords)
+  featurizer = featurizing_task(kind, DIGITS if kind == "classification" else _DigitWords)
   packed = next(pipeline.train_iterator(records, featurizer, batch_size=3, max_length=16,
                                         seed=0, max_segments=6, prefetch=0))
   assert packed["segment_ids"].max() >= 3
@@ -191,7 +191,8 @@ def _tiny_seq2seq_config(data_dir: str, steps: int):
   config.model.update(dict(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
                            num_decoder_layers=1, dropout_rate=0.1, max_len=64))
   config.optimizer.update(dict(schedule="rsqrt", learning_rate=3e-3, warmup_steps=5))
-  config.decode.update(dict(beam_size=2, max_extra_length=8, eval_examples=8, batch_size=16))
+  config.decode.update(dict(beam_size=2, max_extra_length=8))
+  config.eval.update(dict(examples=8, batch_size=16))
   return config
 
 
@@ -223,9 +224,10 @@ def test_seq2seq_on_parallel_files_trains_packed_resumes_and_predicts(tmp_path):
   assert again == pytest.approx(final, rel=1e-5, abs=1e-6)
 
   predictor = Predictor(straight)
-  outputs = predictor.predict_lines(["eins zwei", "", "neun acht sieben"], beam_size=2)
+  beam2 = predictor.decode_options(beam_size=2)
+  outputs = predictor.predict_lines(["eins zwei", "", "neun acht sieben"], beam2)
   assert len(outputs) == 3 and all(isinstance(o, str) for o in outputs)
-  assert predictor.predict_lines(["eins zwei"], beam_size=2) == outputs[:1]  # Batch-invariant.
+  assert predictor.predict_lines(["eins zwei"], beam2) == outputs[:1]  # Batch-invariant.
 
 
 from configs import conll2003, sst2                             # noqa: E402

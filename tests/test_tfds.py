@@ -18,6 +18,7 @@ from configs import conll2003, imdb, wmt14_ende_base
 from configs.default import text_data
 from transformer_jax.data.readers import DataFormatError
 from transformer_jax.data.tfds_source import DatasetNotPreparedError, tfds_corpus
+from transformer_jax import tasks
 from transformer_jax.training import loop
 
 
@@ -27,17 +28,17 @@ def _data(**fields) -> ml_collections.ConfigDict:
 
 def test_records_of_each_kind_from_mock_data():
   with tfds.testing.mock_data(num_examples=7):
-    wmt = tfds_corpus("seq2seq", _data(name="wmt14_translate/de-en", source_language="en",
+    wmt = tfds_corpus(tasks.TranslationTask, _data(name="wmt14_translate/de-en", source_language="en",
                                        target_language="de", test_split="test"))
     pairs = wmt.split("validation")
     assert len(pairs) == 7 and wmt.labels is None
     assert all(isinstance(p["source"], str) and isinstance(p["target"], str) for p in pairs)
     assert pairs[0] != pairs[1]
-    sst = tfds_corpus("classification", _data(name="glue/sst2"))
+    sst = tfds_corpus(tasks.ClassificationTask, _data(name="glue/sst2"))
     assert sst.labels == ["negative", "positive"]
     assert {type(r["text"]) for r in sst.split("train")} == {str}
     assert {r["label"] for r in sst.split("train")} <= {0, 1}
-    assert tfds_corpus("classification", _data(name="imdb_reviews")).labels == ["neg", "pos"]
+    assert tfds_corpus(tasks.ClassificationTask, _data(name="imdb_reviews")).labels == ["neg", "pos"]
     with pytest.raises(IndexError):
       sst.split("train")[7]
 
@@ -58,21 +59,21 @@ def _aligned_conll(self, split, decoders=None, **kwargs):
 def test_tagging_from_tfds_checks_alignment():
   config = _data(name="conll2003", tokenizer="words")
   with tfds.testing.mock_data(num_examples=5):       # Random mock: lengths differ.
-    corpus = tfds_corpus("tagging", config)
+    corpus = tfds_corpus(tasks.TaggingTask, config)
     assert corpus.labels[:3] == ["O", "B-PER", "I-PER"]
     with pytest.raises(DataFormatError, match=r"conll2003 example 0: \d+ tokens but \d+ ner"):
       corpus.split("train")[0]
   with tfds.testing.mock_data(as_data_source_fn=_aligned_conll):
-    record = tfds_corpus("tagging", config).split("validation")[3]
+    record = tfds_corpus(tasks.TaggingTask, config).split("validation")[3]
     assert len(record["words"]) == len(record["tags"]) > 0
 
 
 def test_unprepared_dataset_says_how_to_prepare_it(tmp_path):
   with pytest.raises(DatasetNotPreparedError, match=r"tfds build imdb_reviews "
                      r"--file_format=array_record.*tfds_data_dir"):
-    tfds_corpus("classification", _data(name="imdb_reviews", tfds_data_dir=str(tmp_path)))
+    tfds_corpus(tasks.ClassificationTask, _data(name="imdb_reviews", tfds_data_dir=str(tmp_path)))
   with pytest.raises(ValueError, match="no such dataset"):
-    tfds_corpus("classification", _data(name="no_such_dataset_xyz",
+    tfds_corpus(tasks.ClassificationTask, _data(name="no_such_dataset_xyz",
                                         tfds_data_dir=str(tmp_path)))
 
 
@@ -80,11 +81,12 @@ def _tiny(config, steps: int = 4):
   config.update(dict(num_train_steps=steps, log_every_steps=2, eval_every_steps=steps,
                      checkpoint_every_steps=steps, batch_size=8, grad_accum_steps=1))
   config.data.update(dict(vocab_size=40, max_length=32, eval_max_length=32,
-                          tokenizer_max_examples=20, eval_examples=6, prefetch=0))
+                          tokenizer_max_examples=20, prefetch=0))
   config.model.update(dict(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
                            num_decoder_layers=min(config.model.num_decoder_layers, 1),
                            max_len=64, dropout_rate=0.0))
-  config.decode.update(dict(beam_size=2, max_extra_length=4, eval_examples=4, batch_size=8))
+  config.decode.update(dict(beam_size=2, max_extra_length=4))
+  config.eval.update(dict(examples=4, batch_size=8))
   return config
 
 

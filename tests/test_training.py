@@ -29,18 +29,18 @@ import pytest
 from configs.default import get_config
 from data_wrappers import BatchesWrapper, SourceWrapper
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig
-from transformer_jax.data.synthetic import SyntheticTask
+from transformer_jax.data.synthetic import SyntheticData
 from transformer_jax.metrics import corpus_bleu, exact_match
 from transformer_jax.modules.models import Transformer
 from transformer_jax.predict import Predictor
-from transformer_jax.training import loop
-from transformer_jax.training.losses import (cross_entropy_sums, smoothed_targets,
+from transformer_jax.training import experiment, loop
+from transformer_jax.tasks.losses import (cross_entropy_sums, smoothed_targets,
                                              smoothing_entropy)
 from transformer_jax.training.optimizers import (make_optimizer, make_schedule,
                                                  paper_schedule)
 from transformer_jax.training.state import create_train_state
 from transformer_jax.training.steps import make_train_step
-from transformer_jax.training.tasks import Seq2SeqTask
+from transformer_jax.tasks import TranslationTask
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -196,7 +196,7 @@ def test_invalid_schedule_and_optimizer_settings_name_the_field():
 
 
 # ------------------------------------------------------------------------ train step
-DATA = SyntheticTask("reverse", 2, 5, seed=0)
+DATA = SyntheticData("reverse", 2, 5, seed=0)
 BATCH = 8
 
 
@@ -206,7 +206,7 @@ def _model_config(dropout: float = 0.0) -> TransformerConfig:
       num_encoder_layers=1, num_decoder_layers=1, max_len=16, dropout_rate=dropout)
 
 
-class ScaledLossTask(Seq2SeqTask):
+class ScaledLossTask(TranslationTask):
   """Multiplies the loss by the mean of batch["loss_scale"] (one value per example, so
   micro-batching splits it too) when present: NaN there makes a step's loss and gradient
   non-finite on demand, without another compilation."""
@@ -232,7 +232,7 @@ _OPTIMIZERS = {
 
 @functools.lru_cache(maxsize=None)
 def _task(dropout: float) -> ScaledLossTask:
-  return ScaledLossTask(Transformer(_model_config(dropout)), label_smoothing=0.1)
+  return ScaledLossTask(_model_config(dropout), label_smoothing=0.1)
 
 
 def _train_step(dropout: float, grad_accum_steps: int = 1, optimizer: str = "adam"):
@@ -245,13 +245,13 @@ def _cached_train_step(dropout: float, grad_accum_steps: int, optimizer: str):
   return make_train_step(_task(dropout), _OPTIMIZERS[optimizer], schedule, grad_accum_steps)
 
 
-_init_fn = jax.jit(lambda key, batch: _task(0.0).init_params(key, batch))
+_init_fn = jax.jit(lambda key: _task(0.0).init_params(key))
 
 
 @functools.lru_cache(maxsize=None)
 def _initial_params(dropout: float, seed: int):
   del dropout  # The dropout rate does not change the parameters: one compiled init.
-  return _init_fn(jax.random.PRNGKey(seed), DATA.batch("train", 0, BATCH))
+  return _init_fn(jax.random.PRNGKey(seed))
 
 
 def _fresh_state(dropout: float = 0.0, seed: int = 0, optimizer: str = "adam"):
@@ -382,9 +382,10 @@ def tiny_run_config(**overrides) -> ml_collections.ConfigDict:
   config.grad_accum_steps = 1
   config.label_smoothing = 0.0
   config.nonfinite = "stop"
-  config.data.update(dict(source="synthetic", task="reverse", min_length=2, max_length=5,
-                          eval_examples=50))
-  config.decode.update(dict(beam_size=4, alpha=0.6, eval_examples=20, batch_size=20))
+  config.data.update(dict(source="synthetic", synthetic_task="reverse", min_length=2,
+                          max_length=5))
+  config.decode.update(dict(beam_size=4, alpha=0.6))
+  config.eval.update(dict(examples=20, batch_size=20))
   config.model.update(dict(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
                            num_decoder_layers=1, max_len=16, dropout_rate=0.0,
                            attention_dropout_rate=0.0, activation_dropout_rate=0.0))
@@ -480,7 +481,7 @@ def test_train_and_evaluate_stops_on_nonfinite_loss(tmp_path, monkeypatch):
   """A NaN loss at step 5 (injected through the batch) stops training with an error naming
   step 5; the check runs before each checkpoint, so none is written at or after step 5."""
   bad_step = 5
-  real_make_source = loop.make_source
+  real_make_source = experiment.make_source
 
   class PoisonedBatches(BatchesWrapper):
     def __next__(self):
@@ -489,10 +490,9 @@ def test_train_and_evaluate_stops_on_nonfinite_loss(tmp_path, monkeypatch):
       scale = np.nan if step == bad_step else 1.0
       return {**batch, "loss_scale": np.full((len(batch["src"]),), scale, np.float32)}
 
-  monkeypatch.setattr(loop, "make_source",
+  monkeypatch.setattr(experiment, "make_source",
                       lambda *a: SourceWrapper(real_make_source(*a), PoisonedBatches))
-  monkeypatch.setattr(loop, "make_task", lambda kind, cfg, **kw: ScaledLossTask(
-      Transformer(cfg), kw["label_smoothing"], kw["tokenizer"], kw["decode"]))
+  monkeypatch.setattr(experiment.tasks, "task_class", lambda name: ScaledLossTask)
   config = tiny_run_config(num_train_steps=12, log_every_steps=100, checkpoint_every_steps=4,
                            eval_every_steps=100)
   workdir = str(tmp_path / "nan")
@@ -507,9 +507,9 @@ def test_validate_rejects_bad_loop_settings(tmp_path):
   with pytest.raises(ValueError, match="config.num_train_steps"):
     loop.train_and_evaluate(tiny_run_config(num_train_steps=0), str(tmp_path))
   with pytest.raises(ValueError, match="grad_accum_steps"):
-    loop.validate(tiny_run_config(batch_size=10, grad_accum_steps=3))
+    experiment.validate(tiny_run_config(batch_size=10, grad_accum_steps=3), TranslationTask)
   with pytest.raises(ValueError, match="config.nonfinite"):
-    loop.validate(tiny_run_config(nonfinite="ignore"))
+    experiment.validate(tiny_run_config(nonfinite="ignore"), TranslationTask)
 
 
 # -------------------------------------------------------------------------- metrics
@@ -534,13 +534,13 @@ def test_corpus_bleu():
 
 # ---------------------------------------------------------------------- synthetic data
 def test_synthetic_batches_are_a_function_of_seed_and_index():
-  a, b = SyntheticTask("add", 1, 4, seed=7), SyntheticTask("add", 1, 4, seed=7)
+  a, b = SyntheticData("add", 1, 4, seed=7), SyntheticData("add", 1, 4, seed=7)
   for x, y in zip(a.batch("train", 3, 16).values(), b.batch("train", 3, 16).values()):
     np.testing.assert_array_equal(x, y)
   assert a.examples("train", 3, 16) != a.examples("train", 4, 16)
-  assert a.examples("train", 3, 16) != SyntheticTask("add", 1, 4, seed=8).examples("train", 3, 16)
+  assert a.examples("train", 3, 16) != SyntheticData("add", 1, 4, seed=8).examples("train", 3, 16)
   assert a.eval_examples(16) != a.examples("train", 0, 16)      # Separate streams.
-  it = a.train_iterator(16)
+  it = a.train_iterator(None, 16)
   np.testing.assert_array_equal(next(it)["src"], a.batch("train", 0, 16)["src"])
   it.set_state({"next_index": 3})                               # The state is the position.
   np.testing.assert_array_equal(next(it)["src"], a.batch("train", 3, 16)["src"])
@@ -550,7 +550,7 @@ def test_synthetic_batches_are_a_function_of_seed_and_index():
 
 @pytest.mark.parametrize("name", ["reverse", "sort", "add"])
 def test_synthetic_targets_are_correct(name):
-  task = SyntheticTask(name, 1, 6, seed=1)
+  task = SyntheticData(name, 1, 6, seed=1)
   pairs = task.examples("train", 0, 200)
   for source, target in pairs:
     symbols = source.split()
@@ -582,9 +582,9 @@ def test_synthetic_targets_are_correct(name):
 
 
 def test_synthetic_task_rejects_bad_settings():
-  with pytest.raises(ValueError, match="data.task"):
-    SyntheticTask("copy", 1, 4, seed=0)
+  with pytest.raises(ValueError, match="data.synthetic_task"):
+    SyntheticData("copy", 1, 4, seed=0)
   with pytest.raises(ValueError, match="min_length"):
-    SyntheticTask("reverse", 0, 4, seed=0)
+    SyntheticData("reverse", 0, 4, seed=0)
   with pytest.raises(ValueError, match="max_length"):
-    SyntheticTask("reverse", 5, 4, seed=0)
+    SyntheticData("reverse", 5, 4, seed=0)

@@ -1,7 +1,7 @@
 """Render a trained model's attention weights for one input as PNG heatmaps.
 
   python -m transformer_jax.attention_maps --workdir W --text "Ein Hund rennt im Schnee." \
-      --output_dir maps [--kind all] [--layer -1] [--head -1] [--beam_size 4]
+      --output_dir maps [--attention all] [--layer -1] [--head -1] [--beam_size 4]
 
 For each attention kind (`encoder` self-attention, `decoder` self-attention, `cross`
 attention; encoder-only models have `encoder` only) it writes `KIND_layerL.png`: a grid of
@@ -21,15 +21,9 @@ from absl import app, flags, logging
 import jax
 import numpy as np
 
-from transformer_jax.config import BOS_ID
 from transformer_jax.predict import Predictor
-from transformer_jax.training.tasks import make_model
 
 KINDS = ("encoder", "decoder", "cross")
-
-
-def _token_labels(tokenizer: Any, ids: Sequence[int]) -> list[str]:
-  return [tokenizer.decode([int(i)]) or f"<{int(i)}>" for i in ids]
 
 
 def collect_weights(intermediates: Any) -> dict[str, list[np.ndarray]]:
@@ -54,29 +48,18 @@ def collect_weights(intermediates: Any) -> dict[str, list[np.ndarray]]:
 
 def attention_for(predictor: Predictor, text: str,
                   beam_size: int = 4) -> tuple[dict[str, list[np.ndarray]], dict[str, list[str]]]:
-  """The weights per kind and layer, and the token labels: {"source": ..., "target": ...}."""
-  cfg = predictor.model_config.replace(attention_impl="einsum")   # the path that sows weights
-  source_ids = predictor.vocab.encode(text)
-  if not source_ids:
+  """The weights per kind and layer, and the token labels: {"source": ..., "target": ...}.
+  The model first predicts `text` (a translation model attends over its own output)."""
+  task = predictor.task
+  length = len(task.tokenizer.encode(text))
+  if length == 0:
     raise ValueError("the input text has no tokens")
-  if len(source_ids) > cfg.max_len:
-    raise ValueError(f"the input has {len(source_ids)} tokens; the model's max_len is "
-                     f"{cfg.max_len}")
-  variables = {"params": predictor.params}
-  labels = {"source": _token_labels(predictor.vocab, source_ids)}
-  src = np.asarray([source_ids], np.int32)
-  if predictor.kind == "seq2seq":
-    output = predictor.predict_lines([text], beam_size=beam_size)[0]
-    target_tokenizer = predictor.featurizer.target_tokenizer
-    target_ids = [BOS_ID] + target_tokenizer.encode(output)[:cfg.max_len - 1]
-    labels["target"] = ["<s>"] + _token_labels(target_tokenizer, target_ids[1:])
-    _, state = make_model("seq2seq", cfg).apply(
-        variables, src, np.asarray([target_ids], np.int32), mutable=["intermediates"])
-  else:
-    model = make_model(predictor.kind, cfg, len(predictor.labels),
-                       predictor.run_config.get("pooling", "mean"))
-    _, state = model.apply(variables, src, mutable=["intermediates"])
-  return collect_weights(state["intermediates"]), labels
+  if length > task.model_config.max_len:
+    raise ValueError(f"the input has {length} tokens; the model's max_len is "
+                     f"{task.model_config.max_len}")
+  output = predictor.predict_lines([text], predictor.decode_options(beam_size=beam_size))[0]
+  intermediates, labels = task.attention(predictor.params, text, output)
+  return collect_weights(intermediates), labels
 
 
 def render(weights: np.ndarray, queries: list[str], keys: list[str], title: str,
@@ -112,19 +95,19 @@ def write_maps(predictor: Predictor, text: str, output_dir: str, kinds: Sequence
           "cross": ("target", "source")}
   os.makedirs(output_dir, exist_ok=True)
   paths = []
-  for kind in kinds:
-    if kind not in weights:
+  for name in kinds:
+    if name not in weights:
       continue                                # e.g. no decoder in an encoder-only model
-    layers = weights[kind]
+    layers = weights[name]
     if not -len(layers) <= layer < len(layers):
-      raise ValueError(f"--layer={layer}: the {kind} stack has {len(layers)} layers")
+      raise ValueError(f"--layer={layer}: the {name} stack has {len(layers)} layers")
     index = layer % len(layers)
     if not -1 <= head < layers[index].shape[0]:
       raise ValueError(f"--head={head}: the model has {layers[index].shape[0]} heads "
                        "(-1 draws all)")
-    queries, keys = (labels[a] for a in axes[kind])
-    path = os.path.join(output_dir, f"{kind}_layer{index}.png")
-    render(layers[index], queries, keys, f"{kind} attention, layer {index}", path, head)
+    queries, keys = (labels[a] for a in axes[name])
+    path = os.path.join(output_dir, f"{name}_layer{index}.png")
+    render(layers[index], queries, keys, f"{name} attention, layer {index}", path, head)
     paths.append(path)
   return paths
 
@@ -140,7 +123,7 @@ def define_flags() -> None:
   flags.DEFINE_string("text", None, "The input: a sentence (tagging: words separated "
                       "by spaces).", required=True)
   flags.DEFINE_string("output_dir", "attention_maps", "Where the PNGs go.")
-  flags.DEFINE_enum("kind", "all", ("all",) + KINDS, "Which attention to draw.")
+  flags.DEFINE_enum("attention", "all", ("all",) + KINDS, "Which attention to draw.")
   flags.DEFINE_integer("layer", -1, "Layer index (negative: from the top).")
   flags.DEFINE_integer("head", -1, "One head, or -1 for a grid of all heads.")
   flags.DEFINE_integer("beam_size", 4, "Beam size for the translation drawn.")
@@ -151,7 +134,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   if FLAGS.workdir is None and FLAGS.checkpoint is None:
     sys.exit("error: give --workdir or --checkpoint")
-  kinds = KINDS if FLAGS.kind == "all" else (FLAGS.kind,)
+  kinds = KINDS if FLAGS.attention == "all" else (FLAGS.attention,)
   try:
     predictor = Predictor(FLAGS.workdir, FLAGS.checkpoint)
     paths = write_maps(predictor, FLAGS.text, FLAGS.output_dir, kinds, FLAGS.layer,

@@ -13,6 +13,7 @@ default to stdin and stdout.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Iterable, TextIO
@@ -21,11 +22,10 @@ from absl import app, flags, logging
 import flax.linen as nn
 import jax
 
-from transformer_jax import checkpoint
-from transformer_jax.config import TransformerConfig
+from transformer_jax import checkpoint, run_config, tasks
 from transformer_jax.data import pipeline
 from transformer_jax.inputs import InputError
-from transformer_jax.training.tasks import make_task
+from transformer_jax.run_config import DecodeOptions
 
 
 class Predictor:
@@ -45,72 +45,64 @@ class Predictor:
         raise FileNotFoundError(f"workdir {workdir!r} has no checkpoint or export; was "
                                 "training interrupted before the first checkpoint?")
     self.path, (model, self.params), _ = checkpoint.first_good(candidates, self._load)
-    self.step, self.run_config = model.step, model.config
-    self.kind, self.model_config, self.task = self._task(model)
-    self.vocab, self.labels = model.assets.tokenizer, model.assets.labels
-    self.featurizer = pipeline.Featurizer(self.kind, self.vocab, model.assets.target_tokenizer)
+    self.step, self.run_config = model.step, run_config.upgrade(model.config)
+    self.task = self._task(model)
+    self.decode = DecodeOptions.from_dict(self.run_config.get("decode"))
 
   @staticmethod
-  def _task(model: checkpoint.Model) -> tuple[str, TransformerConfig, object]:
-    kind = model.config.get("task", "seq2seq")
-    if kind != "seq2seq" and not model.assets.labels:
+  def _task(model: checkpoint.Model) -> tasks.Task:
+    saved = run_config.upgrade(model.config)
+    if tasks.task_class(saved.get("task", "seq2seq")).needs_labels and not model.assets.labels:
       raise checkpoint.IncompatibleCheckpointError(
-          f"{model.path} holds a {kind} model but no label names")
-    model_config = TransformerConfig.from_dict(model.config["model"])
-    task = make_task(kind, model_config, labels=model.assets.labels,
-                     tokenizer=model.assets.target_tokenizer, decode=model.config.get("decode"),
-                     pooling=model.config.get("pooling", "mean"))
-    return kind, model_config, task
+          f"{model.path} holds a {saved.get('task')} model but no label names")
+    return tasks.from_run_config(saved, tokenizer=model.assets.tokenizer,
+                                 target_tokenizer=model.assets.target_tokenizer,
+                                 labels=model.assets.labels)
 
   @classmethod
   def _load(cls, path: str) -> tuple[checkpoint.Model, object]:
     model = checkpoint.read_model(path)
-    _, _, task = cls._task(model)
+    task = cls._task(model)
     abstract = nn.meta.unbox(jax.eval_shape(task.init_params, jax.random.PRNGKey(0)))
     return model, checkpoint.restore_params(path, abstract)
 
-  def _record(self, index: int, line: str) -> dict:
-    if self.kind == "seq2seq":
-      return {"index": index, "source": line, "target": ""}
-    if self.kind == "classification":
-      return {"index": index, "text": line, "label": 0}
-    words = line.split()
-    return {"index": index, "words": words, "tags": [0] * len(words)}
+  @property
+  def model_config(self):
+    return self.task.model_config
 
-  def predict_lines(self, lines: list[str], beam_size: int = 4, alpha: float = 0.6,
-                    max_extra_length: int | None = None) -> list[str]:
-    """One output line per input line: a translation, a label, or space-separated tags.
-    Lines are grouped in length buckets, so each bucket shape compiles once."""
+  @property
+  def labels(self) -> list[str] | None:
+    return self.task.labels
+
+  def decode_options(self, **overrides) -> DecodeOptions:
+    """The run's decode options with the given (non-None) fields replaced."""
+    return dataclasses.replace(self.decode,
+                               **{k: v for k, v in overrides.items() if v is not None})
+
+  def predict_lines(self, lines: list[str], decode: DecodeOptions | None = None) -> list[str]:
+    """One output line per input line: a translation, a label, or space-separated tags,
+    searched with `decode` (default: the run's decode options). Lines are grouped in
+    length buckets, so each bucket shape compiles once."""
     if not lines:
       return []
-    records = [self._record(i, line) for i, line in enumerate(lines)]
+    decode = decode or self.decode
+    records = [self.task.record_from_line(line) for line in lines]
     max_len = self.model_config.max_len
-    for record in records:
-      length = pipeline.example_length(self.kind, self.featurizer(record))
+    for index, record in enumerate(records):
+      length = self.task.example_length(self.task.featurize(record))
       if length > max_len:
-        raise InputError(f"input line {record['index'] + 1}: {length} tokens exceed the "
+        raise InputError(f"input line {index + 1}: {length} tokens exceed the "
                          f"model's max_len={max_len}; shorten or split it")
-    if max_extra_length is None:
-      max_extra_length = int(self.run_config.get("decode", {}).get("max_extra_length", 50))
-    batches, _ = pipeline.eval_batches(records, self.featurizer, batch_size=len(lines),
+    for index, record in enumerate(records):
+      record["index"] = index     # where its output goes once the buckets are decoded
+    batches, _ = pipeline.eval_batches(records, self.task, batch_size=len(lines),
                                        max_length=max_len)
     outputs: list[str] = [""] * len(lines)
     for batch in batches:
-      if self.kind == "seq2seq":
-        predicted = self.task.predict(self.params, batch.arrays, beam_size, alpha,
-                                      max_extra_length)
-      else:
-        predicted = self.task.predict(self.params, batch.arrays)
-      for record, output in zip(batch.records, predicted):
-        outputs[record["index"]] = output if isinstance(output, str) else " ".join(output)
+      for record, output in zip(batch.records, self.task.predict(self.params, batch.arrays,
+                                                                 decode)):
+        outputs[record["index"]] = output
     return outputs
-
-  def translate(self, lines: list[str], beam_size: int = 4, alpha: float = 0.6,
-                max_extra_length: int | None = None) -> list[str]:
-    if self.kind != "seq2seq":
-      raise ValueError(f"translate needs a seq2seq model; this one is a {self.kind} model "
-                       "(use predict_lines)")
-    return self.predict_lines(lines, beam_size, alpha, max_extra_length)
 
 
 def _batches(lines: Iterable[str], size: int) -> Iterable[list[str]]:
@@ -124,12 +116,14 @@ def _batches(lines: Iterable[str], size: int) -> Iterable[list[str]]:
     yield batch
 
 
-def predict(workdir: str | None, infile: TextIO, outfile: TextIO, beam_size: int, alpha: float,
-            batch_size: int, checkpoint_path: str | None = None) -> int:
+def predict(workdir: str | None, infile: TextIO, outfile: TextIO, beam_size: int | None,
+            alpha: float | None, batch_size: int, checkpoint_path: str | None = None) -> int:
+  """Predicts every line of `infile` into `outfile`; beam_size/alpha None: the run's own."""
   predictor = Predictor(workdir, checkpoint_path)
+  decode = predictor.decode_options(beam_size=beam_size, alpha=alpha)
   count = 0
   for batch in _batches(infile, batch_size):
-    for line in predictor.predict_lines(batch, beam_size, alpha):
+    for line in predictor.predict_lines(batch, decode):
       outfile.write(line + "\n")
       count += 1
   outfile.flush()
@@ -148,8 +142,10 @@ def define_flags() -> None:
                       "(W/checkpoints/STEP) directory to use instead.")
   flags.DEFINE_string("input", "-", "Input file, one example per line ('-': stdin).")
   flags.DEFINE_string("output", "-", "Output file ('-': stdout).")
-  flags.DEFINE_integer("beam_size", 4, "Beam size (1 = greedy).")
-  flags.DEFINE_float("alpha", 0.6, "Length penalty exponent.")
+  flags.DEFINE_integer("beam_size", None, "Beam size (1 = greedy); default: the run's "
+                       "decode.beam_size.")
+  flags.DEFINE_float("alpha", None, "Length penalty exponent; default: the run's "
+                     "decode.alpha.")
   flags.DEFINE_integer("batch_size", 64, "Lines decoded together.")
 
 

@@ -1,7 +1,7 @@
 """The Grain input pipeline: records -> model batches of static shape.
 
 Training: per-host shard (`records[host::hosts]`, so hosts read disjoint data) -> seeded
-shuffle, reshuffled every epoch -> tokenize -> length limit (too long: drop or truncate;
+shuffle, reshuffled every epoch -> featurize -> length limit (too long: drop or truncate;
 empty: drop; all counted) -> pack into [batch, length] rows with segment ids and positions
 -> background prefetch. The iterator's state (get_state/set_state, JSON) is its data
 position.
@@ -10,66 +10,34 @@ Evaluation: every example is kept; each goes to the smallest length bucket that 
 (longer ones are truncated to the largest bucket and counted), one example per row, so
 each bucket shape compiles once.
 
-Batch keys by task kind (all int32; positions restart at 0 in each sequence, segment ids
-are 1, 2, ... per sequence in a row and 0 on padding):
-  seq2seq:        src, src_positions, src_segment_ids, tgt_in (BOS + target),
-                  tgt_out (target + EOS), tgt_positions, tgt_segment_ids
-  classification: tokens, positions, segment_ids, labels (B, K), label_mask (B, K)
-                  (slot k of a row holds the label of segment k + 1)
-  tagging:        tokens, positions, segment_ids, tags (B, T)
+What a record holds and which batch keys it becomes is the task's business (see
+transformer_jax/tasks): the pipeline calls the `Featurizing` methods below and never looks
+inside an example. Packed rows restart positions at 0 in each sequence; segment ids are 1,
+2, ... per sequence in a row and 0 on padding.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import grain
 import numpy as np
 
-from transformer_jax.config import BOS_ID, EOS_ID
-
-SEQUENCES = {"seq2seq": ("src", "tgt_in", "tgt_out"), "classification": ("tokens",),
-             "tagging": ("tokens", "tags")}
 TOO_LONG_POLICIES = ("drop", "truncate")
 
 Example = dict[str, np.ndarray]
 
 
-class Featurizer:
-  """Record -> one unpadded example: int32 arrays per sequence feature (a scalar label for
-  classification)."""
+class Featurizing(Protocol):
+  """What the pipeline needs of a task (transformer_jax.tasks.Task provides it)."""
 
-  def __init__(self, kind: str, tokenizer: Any, target_tokenizer: Any | None = None):
-    self.kind, self.tokenizer = kind, tokenizer
-    self.target_tokenizer = target_tokenizer or tokenizer
-
-  def __call__(self, record: dict) -> Example:
-    ids = lambda values: np.asarray(values, np.int32)
-    if self.kind == "seq2seq":
-      target = self.target_tokenizer.encode(record["target"])
-      return {"src": ids(self.tokenizer.encode(record["source"])),
-              "tgt_in": ids([BOS_ID] + target), "tgt_out": ids(target + [EOS_ID])}
-    if self.kind == "classification":
-      return {"tokens": ids(self.tokenizer.encode(record["text"])),
-              "label": np.asarray(record["label"], np.int32)}
-    return {"tokens": ids(self.tokenizer.encode_words(record["words"])),
-            "tags": ids(record["tags"])}
-
-
-def example_length(kind: str, example: Example) -> int:
-  return max(len(example[k]) for k in SEQUENCES[kind])
-
-
-def is_empty(kind: str, example: Example) -> bool:
-  """No input tokens, or (seq2seq) no target tokens: nothing to learn from."""
-  if kind == "seq2seq":
-    return len(example["src"]) == 0 or len(example["tgt_out"]) == 1
-  return len(example["tokens"]) == 0
-
-
-def truncate(kind: str, example: Example, length: int) -> Example:
-  return {k: v[:length] if k in SEQUENCES[kind] else v for k, v in example.items()}
+  def featurize(self, record: dict) -> Example: ...
+  def is_empty(self, example: Example) -> bool: ...
+  def example_length(self, example: Example) -> int: ...
+  def truncate(self, example: Example, length: int) -> Example: ...
+  def packing_lengths(self, length: int, max_per_row: int | None) -> dict[str, int]: ...
+  def model_batch(self, packed: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]: ...
 
 
 # ------------------------------------------------------------------------- length limit
@@ -87,23 +55,24 @@ _COUNTS = "counts"   # Rides along with each example: the running Counts after r
 
 class _LengthLimitIterator(grain.DatasetIterator):
 
-  def __init__(self, parent: grain.DatasetIterator, kind: str, max_length: int, policy: str):
+  def __init__(self, parent: grain.DatasetIterator, task: Featurizing, max_length: int,
+               policy: str):
     super().__init__(parent)
-    self._kind, self._max_length, self._policy = kind, max_length, policy
+    self._task, self._max_length, self._policy = task, max_length, policy
     self._counts = Counts()
 
   def __next__(self) -> Example:
     while True:
       example = next(self._parent)
       self._counts.examples += 1
-      if is_empty(self._kind, example):
+      if self._task.is_empty(example):
         self._counts.empty += 1
         continue
-      if example_length(self._kind, example) > self._max_length:
+      if self._task.example_length(example) > self._max_length:
         self._counts.too_long += 1
         if self._policy == "drop":
           continue
-        example = truncate(self._kind, example, self._max_length)
+        example = self._task.truncate(example, self._max_length)
       return {**example, _COUNTS: np.asarray(dataclasses.astuple(self._counts), np.int64)}
 
   def get_state(self) -> dict:
@@ -119,30 +88,32 @@ class _LengthLimit(grain.IterDataset):
   each. Every example it passes carries the counts so far (key "counts"), which reach the
   batch it is packed into; the iterator state carries them too, so they survive a resume."""
 
-  def __init__(self, parent: grain.IterDataset, kind: str, max_length: int, policy: str):
+  def __init__(self, parent: grain.IterDataset, task: Featurizing, max_length: int,
+               policy: str):
     super().__init__(parent)
     if policy not in TOO_LONG_POLICIES:
       raise ValueError(f"data.too_long={policy!r}: must be one of {TOO_LONG_POLICIES}")
-    self._args = (kind, max_length, policy)
+    self._args = (task, max_length, policy)
 
   def __iter__(self) -> grain.DatasetIterator:
     return _LengthLimitIterator(self._parent.__iter__(), *self._args)
 
 
 # ------------------------------------------------------------------------------ packing
-def _rows(ds: grain.IterDataset, kind: str, length: int, batch_size: int, seed: int,
+def _rows(ds: grain.IterDataset, task: Featurizing, length: int, batch_size: int, seed: int,
           max_per_row: int | None, counted: bool = False) -> grain.IterDataset:
   """Packs examples into rows of `length` tokens (at most `max_per_row` examples each; 1
   gives plain padded rows), `batch_size` rows per batch, in model-batch format. `counted`:
-  the examples carry the length limit's counts."""
-  lengths = {k: length for k in SEQUENCES[kind]}
-  if kind == "classification":
-    lengths["label"] = max_per_row or length  # One label slot per packed example.
+  the examples carry the length limit's counts, which stay under "counts"."""
   ds = grain.experimental.FirstFitPackIterDataset(
-      ds, length_struct=lengths, num_packing_bins=batch_size, seed=seed,
-      shuffle_bins=max_per_row != 1, max_sequences_per_bin=max_per_row,
+      ds, length_struct=task.packing_lengths(length, max_per_row), num_packing_bins=batch_size,
+      seed=seed, shuffle_bins=max_per_row != 1, max_sequences_per_bin=max_per_row,
       meta_features=(_COUNTS,) if counted else ())
-  return ds.batch(batch_size, batch_fn=_stack).map(lambda b: model_batch(kind, b, batch_size))
+
+  def model_batch(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    extra = {_COUNTS: packed[_COUNTS]} if _COUNTS in packed else {}
+    return {**task.model_batch(packed, batch_size), **extra}
+  return ds.batch(batch_size, batch_fn=_stack).map(model_batch)
 
 
 def _stack(rows: Sequence[dict]) -> dict[str, np.ndarray]:
@@ -151,28 +122,6 @@ def _stack(rows: Sequence[dict]) -> dict[str, np.ndarray]:
   counts = [c for row in rows for c in row.get(_COUNTS, ())]
   if counts:
     batch[_COUNTS] = np.max(counts, axis=0)
-  return batch
-
-
-def model_batch(kind: str, packed: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
-  """Grain's packed features ({k}, {k}_positions, {k}_segment_ids) -> the batch keys above,
-  padded with empty rows to `rows` (a last, partial batch keeps the static shape). Counts
-  from the length limit, if any, stay under "counts"."""
-  extra = {_COUNTS: packed[_COUNTS]} if _COUNTS in packed else {}
-  def get(key):
-    x = packed[key].astype(np.int32)
-    return np.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-  if kind == "seq2seq":
-    return {"src": get("src"), "src_positions": get("src_positions"),
-            "src_segment_ids": get("src_segment_ids"), "tgt_in": get("tgt_in"),
-            "tgt_out": get("tgt_out"), "tgt_positions": get("tgt_in_positions"),
-            "tgt_segment_ids": get("tgt_in_segment_ids"), **extra}
-  batch = {"tokens": get("tokens"), "positions": get("tokens_positions"),
-           "segment_ids": get("tokens_segment_ids"), **extra}
-  if kind == "classification":
-    batch.update(labels=get("label"), label_mask=get("label_segment_ids") > 0)
-  else:
-    batch["tags"] = get("tags")
   return batch
 
 
@@ -210,7 +159,7 @@ class TrainIterator:
     return {f"data/{k}": v for k, v in dataclasses.asdict(self._counts).items()}
 
 
-def train_iterator(records: Sequence[dict], featurizer: Featurizer, *, batch_size: int,
+def train_iterator(records: Sequence[dict], task: Featurizing, *, batch_size: int,
                    max_length: int, seed: int, too_long: str = "drop", pack: bool = True,
                    max_segments: int = 0, shard_index: int = 0, shard_count: int = 1,
                    num_epochs: int | None = None, prefetch: int = 2,
@@ -225,16 +174,13 @@ def train_iterator(records: Sequence[dict], featurizer: Featurizer, *, batch_siz
   if len(records) < shard_count:
     raise ValueError(f"{len(records)} training examples cannot be split over "
                      f"{shard_count} hosts")
-  kind = featurizer.kind
   max_per_row = (max_segments or None) if pack else 1
-  if kind == "classification" and max_per_row is None:
-    raise ValueError("data.max_segments must be > 0 when packing classification examples")
   ds = grain.MapDataset.source(records)[shard_index::shard_count]
-  ds = ds.shuffle(seed).repeat(num_epochs).map(featurizer)
+  ds = ds.shuffle(seed).repeat(num_epochs).map(task.featurize)
   ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads,
                                             prefetch_buffer_size=4 * batch_size))
-  ds = _LengthLimit(ds, kind, max_length, too_long)
-  ds = _rows(ds, kind, max_length, batch_size, seed, max_per_row, counted=True)
+  ds = _LengthLimit(ds, task, max_length, too_long)
+  ds = _rows(ds, task, max_length, batch_size, seed, max_per_row, counted=True)
   if prefetch:
     ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
   return TrainIterator(ds)
@@ -256,19 +202,19 @@ def bucket_lengths(max_length: int, smallest: int = 16) -> list[int]:
   return out + [max_length]
 
 
-def eval_batches(records: Sequence[dict], featurizer: Featurizer, *, batch_size: int,
+def eval_batches(records: Sequence[dict], task: Featurizing, *, batch_size: int,
                  max_length: int) -> tuple[list[EvalBatch], Counts]:
   """Every record, bucketed by length (see module doc); returns the batches and the count
   of examples truncated to `max_length`."""
-  kind, buckets = featurizer.kind, bucket_lengths(max_length)
+  buckets = bucket_lengths(max_length)
   counts = Counts(examples=len(records))
   grouped: dict[int, list[tuple[dict, Example]]] = {b: [] for b in buckets}
   for record in records:
-    example = featurizer(record)
-    length = example_length(kind, example)
+    example = task.featurize(record)
+    length = task.example_length(example)
     if length > max_length:
       counts.too_long += 1
-      example = truncate(kind, example, max_length)
+      example = task.truncate(example, max_length)
     grouped[next(b for b in buckets if b >= length or b == max_length)].append(
         (record, example))
   batches = []
@@ -277,6 +223,6 @@ def eval_batches(records: Sequence[dict], featurizer: Featurizer, *, batch_size:
       chunk = members[start:start + batch_size]
       ds = grain.MapDataset.source([e for _, e in chunk]).to_iter_dataset(
           grain.ReadOptions(num_threads=0))
-      (arrays,) = list(_rows(ds, kind, length, batch_size, 0, max_per_row=1))
+      (arrays,) = list(_rows(ds, task, length, batch_size, 0, max_per_row=1))
       batches.append(EvalBatch(arrays, [r for r, _ in chunk]))
   return batches, counts

@@ -134,3 +134,8 @@ def tag_names_of(sentences: list[dict]) -> list[str]:
   """The tag set of training data: "O" first, then the others sorted."""
   tags = {tag for sentence in sentences for tag in sentence["tags"]}
   return ["O"] * ("O" in tags) + sorted(tags - {"O"})
+
+
+def parse_labels(text: str) -> list[str]:
+  """`"negative,positive"` -> ["negative", "positive"]; "" -> []."""
+  return [name.strip() for name in text.split(",") if name.strip()]

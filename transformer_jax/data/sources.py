@@ -1,10 +1,10 @@
-"""Builds the task data named by the config: synthetic tasks, local files or TFDS.
+"""Builds the data a config names: synthetic tasks, local files or TFDS.
 
-Every kind offers the same interface to the trainer: `kind` ("seq2seq", "classification",
-"tagging"), `tokenizer` and `target_tokenizer`, `labels` (class or tag names, or None),
-`train_iterator(batch_size)` (batches of static shape; the iterator has get_state/set_state
-and stats) and `eval_batches(split, batch_size, limit)` (static-shape batches with the
-records of their rows).
+Every source offers the same interface to the trainer: `tokenizer` and `target_tokenizer`,
+`labels` (class or tag names, or None), `summary`, `train_iterator(task, batch_size)`
+(batches of static shape; the iterator has get_state/set_state and stats) and
+`eval_batches(task, split, batch_size, limit)` (static-shape batches with the records of
+their rows). `task` is the run's task (transformer_jax.tasks): it featurizes the records.
 """
 
 from __future__ import annotations
@@ -13,30 +13,31 @@ import os
 from typing import Any
 
 from transformer_jax.data.corpus import local_corpus
-from transformer_jax.data.synthetic import SyntheticTask
-from transformer_jax.data.text_data import VOCAB_FILE, TextData
+from transformer_jax.data.synthetic import RECORD_KEYS, SyntheticData
+from transformer_jax.data.text_data import TextData
+from transformer_jax.data.tokenizer import VOCAB_FILE
 
 SOURCES = ("synthetic", "local", "tfds")
 
 
-def make_source(config: Any, workdir: str | None = None) -> SyntheticTask | TextData:
-  """`config` is the whole run config (its `task`, `seed` and `data` group). With a
-  workdir, tokenizers are loaded from it or trained and saved there."""
-  data = config.data
-  kind = config.get("task", "seq2seq")
+def make_source(task: Any, data: Any, seed: int,
+                workdir: str | None = None) -> SyntheticData | TextData:
+  """The data of the config's `data` group for a task class (transformer_jax.tasks). With
+  a workdir, tokenizers are loaded from it or trained and saved there."""
   if data.source == "synthetic":
-    if kind != "seq2seq":
-      raise ValueError(f"task={kind!r}: synthetic data is seq2seq only")
-    task = SyntheticTask(data.task, data.min_length, data.max_length, config.seed)
+    if tuple(task.record_keys) != RECORD_KEYS:
+      raise ValueError(f"data.source='synthetic' makes {RECORD_KEYS} pairs, which a "
+                       f"{task.name} task cannot read; use data.source=local or tfds")
+    synthetic = SyntheticData(data.synthetic_task, data.min_length, data.max_length, seed)
     if workdir:
       os.makedirs(workdir, exist_ok=True)
-      task.vocab.save(os.path.join(workdir, VOCAB_FILE))
-    return task
+      synthetic.vocab.save(os.path.join(workdir, VOCAB_FILE))
+    return synthetic
   if data.source == "local":
-    corpus = local_corpus(kind, data)
+    corpus = local_corpus(task, data)
   elif data.source == "tfds":
     from transformer_jax.data.tfds_source import tfds_corpus  # Imports TFDS only if used.
-    corpus = tfds_corpus(kind, data)
+    corpus = tfds_corpus(task, data)
   else:
     raise ValueError(f"data.source={data.source!r}: must be one of {SOURCES}")
-  return TextData(corpus, data, config.seed, workdir)
+  return TextData(task, corpus, data, seed, workdir)

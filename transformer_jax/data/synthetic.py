@@ -22,6 +22,7 @@ from transformer_jax.data.pipeline import EvalBatch
 from transformer_jax.data.vocab import SymbolVocab
 
 TASKS = ("reverse", "sort", "add")
+RECORD_KEYS = ("source", "target")   # the records it makes (a translation task reads them)
 DIGITS = tuple(str(d) for d in range(10))
 _STREAMS = {"train": 0, "eval": 1}
 
@@ -30,16 +31,16 @@ def make_vocab() -> SymbolVocab:
   return SymbolVocab(DIGITS + ("+",))
 
 
-class SyntheticTask:
-  """Generates (source text, target text) pairs and padded id batches for one task. Offers
-  the trainer's data interface (see data/sources.py): fixed-width batches, no packing."""
+class SyntheticData:
+  """Generates (source text, target text) pairs and padded id batches for one synthetic
+  task. Offers the trainer's data interface (see data/sources.py): fixed-width batches, no
+  packing; the batches are encoded here, so the run's task is not needed to featurize."""
 
-  kind = "seq2seq"
   labels = None
 
   def __init__(self, task: str, min_length: int, max_length: int, seed: int):
     if task not in TASKS:
-      raise ValueError(f"data.task={task!r}: must be one of {TASKS}")
+      raise ValueError(f"data.synthetic_task={task!r}: must be one of {TASKS}")
     if not 1 <= min_length <= max_length:
       raise ValueError(f"data.min_length={min_length}, data.max_length={max_length}: need "
                        "1 <= min_length <= max_length")
@@ -93,12 +94,12 @@ class SyntheticTask:
     """Held-out pairs, from a random stream separate from the training stream."""
     return self.examples("eval", 0, count)
 
-  def train_iterator(self, batch_size: int) -> "SyntheticBatches":
+  def train_iterator(self, task: Any, batch_size: int) -> "SyntheticBatches":
     """The endless training stream, this host's rows of each global batch of `batch_size`
     (every host generates the same batch, so the run does not depend on the host count)."""
     return SyntheticBatches(self, batch_size)
 
-  def eval_batches(self, split: str, batch_size: int, limit: int) -> list[EvalBatch]:
+  def eval_batches(self, task: Any, split: str, batch_size: int, limit: int) -> list[EvalBatch]:
     """`limit` held-out pairs in batches of `batch_size` rows (the last padded)."""
     if split != "eval":
       raise ValueError(f"synthetic data has one held-out split, 'eval', not {split!r}")
@@ -107,7 +108,7 @@ class SyntheticTask:
     for start in range(0, len(pairs), batch_size):
       chunk = pairs[start:start + batch_size]
       arrays = self.encode_batch(chunk + [("", "")] * (batch_size - len(chunk)))
-      batches.append(EvalBatch(arrays, [{"source": s, "target": t} for s, t in chunk]))
+      batches.append(EvalBatch(arrays, [dict(zip(RECORD_KEYS, pair)) for pair in chunk]))
     return batches
 
 
@@ -115,7 +116,7 @@ class SyntheticBatches:
   """Iterator over a task's training batches whose state is the index of the next batch,
   with the `get_state()` / `set_state(state)` interface of Grain's DatasetIterator."""
 
-  def __init__(self, task: SyntheticTask, batch_size: int, start: int = 0):
+  def __init__(self, task: SyntheticData, batch_size: int, start: int = 0):
     self.task, self.batch_size = task, batch_size
     self.rows = sharding.local_rows(batch_size)
     self.set_state({"next_index": start})

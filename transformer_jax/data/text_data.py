@@ -1,6 +1,6 @@
 """Real-text task data: a corpus, its tokenizer(s) and the Grain pipeline, behind the same
-interface as the synthetic tasks (kind, tokenizer, target_tokenizer, labels,
-train_iterator, eval_batches).
+interface as the synthetic tasks (tokenizer, target_tokenizer, labels, train_iterator,
+eval_batches).
 
 Tokenizers are trained on the training split at the first run and saved in the workdir
 (`vocab.json`, plus `target_vocab.json` when source and target vocabularies are separate);
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -35,36 +35,48 @@ def _training_sample(records: Sequence[dict], limit: int, seed: int) -> Iterator
     yield records[int(i)]
 
 
-def _train_tokenizers(corpus: Corpus, config: Any, seed: int) -> tuple[Any, Any]:
-  kind, name = corpus.kind, config.tokenizer
+class TokenizerTraining(Protocol):
+  """What tokenizer training needs of a task class (transformer_jax.tasks.Task has it)."""
+  name: str
+  tokenizer_kinds: tuple[str, ...]
+  has_target_text: bool
+
+  @classmethod
+  def tokenizer_texts(cls, record: dict) -> tuple[str | list[str], str | None]: ...
+
+
+def _train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: Any,
+                      seed: int) -> tuple[Any, Any]:
+  name = config.tokenizer
   if name not in TOKENIZERS:
     raise ValueError(f"data.tokenizer={name!r}: must be one of {TOKENIZERS}")
-  if kind == "tagging" and name != "words":
-    raise ValueError("data.tokenizer must be 'words' for tagging: tags align to words")
-  if kind == "seq2seq" and name != "sentencepiece":
-    raise ValueError("data.tokenizer must be 'sentencepiece' for seq2seq: outputs are "
-                     "detokenized text")
-  records = lambda: _training_sample(corpus.split(config.train_split),
-                                     config.tokenizer_max_examples, seed)
+  if name not in task.tokenizer_kinds:
+    raise ValueError(f"data.tokenizer={name!r} does not fit a {task.name} task: use "
+                     f"{' or '.join(repr(k) for k in task.tokenizer_kinds)}")
+
+  def texts() -> Iterator[tuple[str | list[str], str | None]]:
+    for record in _training_sample(corpus.split(config.train_split),
+                                   config.tokenizer_max_examples, seed):
+      yield task.tokenizer_texts(record)
+
   if name == "words":
-    key = "words" if kind == "tagging" else "text"
-    words = (r[key] if kind == "tagging" else r[key].split() for r in records())
-    vocab = WordVocab.build(words, min_count=config.min_word_count)
+    vocab = WordVocab.build((s if isinstance(s, list) else s.split() for s, _ in texts()),
+                            min_count=config.min_word_count)
     return vocab, vocab
 
-  def spm(texts):
-    return SentencePieceTokenizer.train(texts, config.vocab_size,
+  def spm(pieces: Iterator[str]) -> SentencePieceTokenizer:
+    return SentencePieceTokenizer.train(pieces, config.vocab_size,
                                         model_type=config.spm_model_type)
-  if kind == "classification":
-    tokenizer = spm(r["text"] for r in records())
+  if not task.has_target_text:
+    tokenizer = spm(s for s, _ in texts())
     return tokenizer, tokenizer
   if config.shared_vocab:
-    tokenizer = spm(text for r in records() for text in (r["source"], r["target"]))
+    tokenizer = spm(text for pair in texts() for text in pair)
     return tokenizer, tokenizer
-  return spm(r["source"] for r in records()), spm(r["target"] for r in records())
+  return spm(s for s, _ in texts()), spm(t for _, t in texts())
 
 
-def load_or_train_tokenizers(corpus: Corpus, config: Any, seed: int,
+def load_or_train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: Any, seed: int,
                              workdir: str | None) -> tuple[Any, Any, str]:
   """(source tokenizer, target tokenizer, what happened). Reuses the workdir's saved
   tokenizers; otherwise trains on the training split and saves them there (process 0
@@ -79,10 +91,10 @@ def load_or_train_tokenizers(corpus: Corpus, config: Any, seed: int,
   if jax.process_count() > 1 and paths:
     from jax.experimental import multihost_utils
     if jax.process_index() == 0:
-      _save(*_train_tokenizers(corpus, config, seed), paths)
+      _save(*_train_tokenizers(task, corpus, config, seed), paths)
     multihost_utils.sync_global_devices("tokenizer saved")
-    return load_or_train_tokenizers(corpus, config, seed, workdir)
-  source, target = _train_tokenizers(corpus, config, seed)
+    return load_or_train_tokenizers(task, corpus, config, seed, workdir)
+  source, target = _train_tokenizers(task, corpus, config, seed)
   if paths:
     _save(source, target, paths)
   where = f", saved to {paths[0]}" if paths else ""
@@ -96,26 +108,18 @@ def _save(source: Any, target: Any, paths: tuple[str, str]) -> None:
     target.save(paths[1])
 
 
-def load_labels(workdir: str) -> list[str] | None:
-  path = os.path.join(workdir, LABELS_FILE)
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)["labels"]
-
-
 class TextData:
   """A corpus made ready for training: tokenizers, training batches, eval buckets."""
 
-  def __init__(self, corpus: Corpus, data_config: Any, seed: int, workdir: str | None = None):
-    self.kind, self.labels, self.description = corpus.kind, corpus.labels, corpus.description
+  def __init__(self, task: TokenizerTraining, corpus: Corpus, data_config: Any, seed: int,
+               workdir: str | None = None):
+    self.labels, self.description = corpus.labels, corpus.description
     self._corpus, self._config, self._seed = corpus, data_config, seed
     self.tokenizer, self.target_tokenizer, origin = load_or_train_tokenizers(
-        corpus, data_config, seed, workdir)
+        task, corpus, data_config, seed, workdir)
     if workdir and self.labels is not None:
       with open(os.path.join(workdir, LABELS_FILE), "w") as f:
         json.dump({"labels": self.labels}, f)
-    self.featurizer = pipeline.Featurizer(self.kind, self.tokenizer, self.target_tokenizer)
     sizes = sorted({self.tokenizer.vocab_size, self.target_tokenizer.vocab_size})
     self.summary = (f"{self.description}: {len(corpus.split(data_config.train_split)):,} "
                     f"training examples; {self.tokenizer.kind} vocabulary of "
@@ -125,8 +129,8 @@ class TextData:
   def max_length(self) -> int:
     return max(self._config.max_length, self._config.eval_max_length)
 
-  def train_iterator(self, batch_size: int, *, shard_index: int | None = None,
-                     shard_count: int | None = None,
+  def train_iterator(self, task: pipeline.Featurizing, batch_size: int, *,
+                     shard_index: int | None = None, shard_count: int | None = None,
                      num_epochs: int | None = None) -> pipeline.TrainIterator:
     """This host's training batches: its 1/shard_count of each global batch of
     `batch_size` rows, read from its own shard of the data (`shard_index/count` default to
@@ -137,19 +141,19 @@ class TextData:
     if batch_size % shard_count:
       raise ValueError(f"batch_size={batch_size} does not split over {shard_count} hosts")
     return pipeline.train_iterator(
-        self._corpus.split(c.train_split), self.featurizer,
+        self._corpus.split(c.train_split), task,
         batch_size=batch_size // shard_count, max_length=c.max_length, seed=self._seed,
         too_long=c.too_long, pack=c.pack, max_segments=c.max_segments,
         shard_index=shard_index, shard_count=shard_count, num_epochs=num_epochs,
         prefetch=c.prefetch)
 
-  def eval_batches(self, split: str, batch_size: int,
+  def eval_batches(self, task: pipeline.Featurizing, split: str, batch_size: int,
                    limit: int = 0) -> list[pipeline.EvalBatch]:
     """The first `limit` examples of `split` (all if 0), bucketed by length."""
     records = self._corpus.split(split)
     count = len(records) if limit <= 0 else min(limit, len(records))
     batches, counts = pipeline.eval_batches(
-        [records[i] for i in range(count)], self.featurizer, batch_size=batch_size,
+        [records[i] for i in range(count)], task, batch_size=batch_size,
         max_length=self._config.eval_max_length)
     if counts.too_long:
       print(f"data: {counts.too_long} of {count} {split} examples are longer than "

@@ -2,24 +2,30 @@
 TensorFlow). Preparing a dataset needs the internet; where it is missing, opening it fails
 with a message that says how to prepare it elsewhere.
 
-Feature names per dataset: translation reads the two language features
-(`data.source_language`, `data.target_language`, e.g. wmt14_translate/de-en: de, en);
-classification reads ("text", "label") or, for glue/*, ("sentence", "label"); tagging reads
-("tokens", "ner") as in conll2003.
+Which features a task reads, and how, is the task's `tfds_converter` (e.g. translation reads
+`data.source_language` and `data.target_language`; classification ("text", "label") or, for
+glue/*, ("sentence", "label"); tagging ("tokens", "ner") as in conll2003).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
 from transformer_jax.data.corpus import Corpus, split_names
-from transformer_jax.data.readers import DataFormatError
 
-_CLASSIFICATION_FEATURES = {"glue": ("sentence", "label")}
-_DEFAULT_CLASSIFICATION_FEATURES = ("text", "label")
-_TAGGING_FEATURES = ("tokens", "ner")
+
+class TfdsReading(Protocol):
+  """What reading TFDS needs of a task class (transformer_jax.tasks.Task provides it)."""
+  name: str
+  needs_labels: bool
+
+  @classmethod
+  def tfds_converter(cls, name: str, data_config: Any) -> Callable[[dict, int], dict]: ...
+
+  @classmethod
+  def tfds_labels(cls, features: Any, name: str) -> list[str] | None: ...
 
 
 class DatasetNotPreparedError(RuntimeError):
@@ -35,7 +41,8 @@ def _tfds():
   return tfds
 
 
-def _text(value: Any) -> str:
+def feature_text(value: Any) -> str:
+  """A TFDS text feature (bytes, str or a 0-d array) as str."""
   if isinstance(value, np.ndarray):
     value = value.item()
   return value.decode("utf-8") if isinstance(value, bytes) else str(value)
@@ -76,47 +83,24 @@ def _open(name: str, split: str, data_config: Any) -> Any:
         f"--config.data.source=local --config.data.dir=PATH.") from e
 
 
-def _converter(kind: str, name: str, data_config: Any) -> Callable[[dict, int], dict]:
-  if kind == "seq2seq":
-    src, tgt = data_config.source_language, data_config.target_language
-    return lambda ex, i: {"source": _text(ex[src]), "target": _text(ex[tgt])}
-  if kind == "classification":
-    text, label = _CLASSIFICATION_FEATURES.get(name.split("/")[0],
-                                               _DEFAULT_CLASSIFICATION_FEATURES)
-    return lambda ex, i: {"text": _text(ex[text]), "label": int(ex[label])}
-  words_key, tags_key = _TAGGING_FEATURES
-
-  def tagging(ex: dict, index: int) -> dict:
-    words = [_text(w) for w in np.asarray(ex[words_key]).tolist()]
-    tags = [int(t) for t in np.asarray(ex[tags_key]).tolist()]
-    if len(words) != len(tags):
-      raise DataFormatError(f"TFDS {name} example {index}: {len(words)} {words_key} but "
-                            f"{len(tags)} {tags_key} tags; they must align one to one")
-    return {"words": words, "tags": tags}
-  return tagging
-
-
-def _label_names(kind: str, name: str, data_config: Any) -> list[str] | None:
+def _label_names(task: TfdsReading, name: str, data_config: Any) -> list[str] | None:
   """Class or tag names from the dataset's feature description."""
-  if kind == "seq2seq":
+  if not task.needs_labels:
     return None
-  features = _tfds().builder(name, data_dir=data_config.get("tfds_data_dir") or None).info.features
-  if kind == "classification":
-    key = _CLASSIFICATION_FEATURES.get(name.split("/")[0], _DEFAULT_CLASSIFICATION_FEATURES)[1]
-    return list(features[key].names)
-  return list(features[_TAGGING_FEATURES[1]].feature.names)
+  builder = _tfds().builder(name, data_dir=data_config.get("tfds_data_dir") or None)
+  return task.tfds_labels(builder.info.features, name)
 
 
-def tfds_corpus(kind: str, data_config: Any) -> Corpus:
+def tfds_corpus(task: TfdsReading, data_config: Any) -> Corpus:
   name = data_config.name
   if not name:
     raise ValueError("data.name is empty: give a TFDS dataset, e.g. wmt14_translate/de-en")
   splits = split_names(data_config)
   train = _open(name, data_config.train_split, data_config)  # Fails early if not prepared.
-  convert = _converter(kind, name, data_config)
+  convert = task.tfds_converter(name, data_config)
 
   def loader(split: str) -> Callable[[], Sequence[dict]]:
     source = train if split == data_config.train_split else None
     return lambda: _Records(source or _open(name, split, data_config), convert)
-  return Corpus(kind, {s: loader(s) for s in splits}, _label_names(kind, name, data_config),
+  return Corpus({s: loader(s) for s in splits}, _label_names(task, name, data_config),
                 f"TFDS {name}")

@@ -113,7 +113,7 @@ class MultiHeadAttention(nn.Module):
   """Multi-head attention with Q/K/V/output projections (paper §3.2.2); with
   `config.fused_qkv`, self-attention computes Q, K and V with one matmul.
 
-  `kind` is "self" or "cross". With `decode=True` the module keeps a 'cache' collection:
+  `role` is "self" or "cross". With `decode=True` the module keeps a 'cache' collection:
   self-attention appends one step's keys/values per call; cross-attention projects the
   encoder output once, on the call that creates the cache, and reuses it afterwards.
   With the einsum path, attention weights are sown into 'intermediates' (pass
@@ -121,7 +121,7 @@ class MultiHeadAttention(nn.Module):
   """
 
   config: TransformerConfig
-  kind: str = "self"
+  role: str = "self"
 
   def _projection(self, name: str) -> nn.DenseGeneral:
     cfg = self.config
@@ -148,7 +148,7 @@ class MultiHeadAttention(nn.Module):
   def __call__(self, inputs_q: Array, inputs_kv: Array | None, mask: Array | None = None, *,
                train: bool = False, decode: bool = False) -> Array:
     cfg = self.config
-    if self.kind == "cross":
+    if self.role == "cross":
       query = self._projection("query")(inputs_q)                    # (B, T, N, H)
       key, value = self._cross_keys_values(inputs_kv, decode)
     else:

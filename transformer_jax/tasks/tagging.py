@@ -1,0 +1,137 @@
+"""Token classification (one tag per word, e.g. named entities in BIO tags) with an
+encoder; evaluated by token accuracy and entity precision/recall/F1 (conlleval).
+
+Records: {"words": list[str], "tags": list[int]} (indices into the tag names). Batch keys:
+tokens, positions, segment_ids, tags (B, T). Predictions are the most likely valid BIO
+sequence (`bio.viterbi`), or each word's argmax with decode.bio_constrained=False.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax import bio
+from transformer_jax.config import PAD_ID, TransformerConfig
+from transformer_jax.data import readers
+from transformer_jax.metrics import entity_f1
+from transformer_jax.modules.models import TokenClassifier
+from transformer_jax.run_config import DecodeOptions
+from transformer_jax.tasks.base import (Batch, EvalBatch, EvalStep, Example, Samples, ids,
+                                        loss_metrics, teacher_forced_sums)
+from transformer_jax.tasks.encoder import EncoderTask
+from transformer_jax.tasks.losses import cross_entropy_sums
+
+_TFDS_FEATURES = ("tokens", "ner")   # as in TFDS conll2003
+
+
+class TaggingTask(EncoderTask):
+  name = "tagging"
+  record_keys = ("words", "tags")
+  sequence_keys = ("tokens", "tags")
+  metric_names = ("loss", "accuracy", "precision", "recall", "f1")
+  tokenizer_kinds = ("words",)   # tags align to words
+  needs_labels = True
+
+  def __init__(self, *args: Any, **kwargs: Any):
+    super().__init__(*args, **kwargs)
+    self._transitions = bio.allowed_transitions(self.labels)
+    self._log_probs = jax.jit(lambda params, batch: jax.nn.log_softmax(
+        self.logits(params, batch, None, False).astype(jnp.float32), -1))
+
+  # ---------------------------------------------------------------------- data
+  @classmethod
+  def local_splits(cls, directory: str, splits: Sequence[str], data_config: Any):
+    """`{split}.txt` in CoNLL format; the tag set is data.labels, or the training file's."""
+    paths = {s: readers.find_file(directory, f"{s}.txt") for s in splits}
+    sentences = {s: readers.read_conll(paths[s]) for s in splits}
+    labels = readers.parse_labels(data_config.labels) or readers.tag_names_of(
+        sentences[data_config.train_split])
+
+    def loader(split: str) -> Callable[[], Sequence[dict]]:
+      return lambda: readers.tag_ids(sentences[split], labels, paths[split])
+    return {s: loader(s) for s in splits}, labels
+
+  @classmethod
+  def tfds_converter(cls, name: str, data_config: Any) -> Callable[[dict, int], dict]:
+    from transformer_jax.data.tfds_source import feature_text
+    words_key, tags_key = _TFDS_FEATURES
+
+    def convert(ex: dict, index: int) -> dict:
+      words = [feature_text(w) for w in np.asarray(ex[words_key]).tolist()]
+      tags = [int(t) for t in np.asarray(ex[tags_key]).tolist()]
+      if len(words) != len(tags):
+        raise readers.DataFormatError(
+            f"TFDS {name} example {index}: {len(words)} {words_key} but {len(tags)} "
+            f"{tags_key} tags; they must align one to one")
+      return {"words": words, "tags": tags}
+    return convert
+
+  @classmethod
+  def tfds_labels(cls, features: Any, name: str) -> list[str]:
+    return list(features[_TFDS_FEATURES[1]].feature.names)
+
+  @classmethod
+  def tokenizer_texts(cls, record: dict) -> tuple[list[str], None]:
+    return record["words"], None
+
+  # ------------------------------------------------------------------- records
+  def record_from_line(self, line: str) -> dict:
+    words = line.split()
+    return {"words": words, "tags": [0] * len(words)}
+
+  def featurize(self, record: dict) -> Example:
+    return {"tokens": ids(self.tokenizer.encode_words(record["words"])),
+            "tags": ids(record["tags"])}
+
+  def _targets(self, get: Any) -> dict[str, np.ndarray]:
+    return {"tags": get("tags")}
+
+  def batch_spec(self, rows: int, length: int,
+                 max_per_row: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
+    return {**super().batch_spec(rows, length, max_per_row),
+            "tags": jax.ShapeDtypeStruct((rows, length), jnp.int32)}
+
+  # --------------------------------------------------------------------- model
+  def build_model(self, model_config: TransformerConfig) -> TokenClassifier:
+    return TokenClassifier(model_config, num_labels=len(self.labels))
+
+  def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
+                train: bool) -> dict[str, jax.Array]:
+    return cross_entropy_sums(self.logits(params, batch, rng, train), batch["tags"],
+                              self.label_smoothing if train else 0.0,
+                              weights=(batch["tokens"] != PAD_ID).astype(jnp.float32))
+
+  # ---------------------------------------------------------------- evaluation
+  def predict_tags(self, params: Any, batch: Mapping[str, np.ndarray],
+                   decode: DecodeOptions) -> list[list[str]]:
+    """Tag names for each row's tokens (one sequence per row)."""
+    lengths = (batch["tokens"] != PAD_ID).sum(1)
+    if decode.bio_constrained:
+      log_probs = np.asarray(self._log_probs(params, batch))
+      best = [bio.viterbi(row[:n], *self._transitions) for row, n in zip(log_probs, lengths)]
+    else:
+      best = np.asarray(self._argmax(params, batch))
+    return [[self.labels[i] for i in row[:n]] for row, n in zip(best, lengths)]
+
+  def predict(self, params: Any, batch: Mapping[str, np.ndarray],
+              decode: DecodeOptions) -> list[str]:
+    return [" ".join(tags) for tags in self.predict_tags(params, batch, decode)]
+
+  def evaluate(self, params: Any, batches: Sequence[EvalBatch], eval_step: EvalStep,
+               decode: DecodeOptions) -> tuple[dict[str, float], Samples]:
+    metrics = loss_metrics(teacher_forced_sums(eval_step, params, batches))
+    del metrics["perplexity"]
+    references, predictions, samples = [], [], []
+    for batch in batches:
+      for record, tags in zip(batch.records, self.predict_tags(params, batch.arrays, decode)):
+        gold = [self.labels[i] for i in record["tags"]]
+        tags = tags + ["O"] * (len(gold) - len(tags))  # Words past a truncation: untagged.
+        references.append(gold)
+        predictions.append(tags)
+        samples.append((" ".join(record["words"]), " ".join(tags), " ".join(gold)))
+    metrics.update(entity_f1(references, predictions))
+    return metrics, samples

@@ -1,0 +1,192 @@
+"""One run's setup, resolved once from the config and shared by training, `--eval_only` and
+the AOT compiler: the task with its model config, the data, the mesh, the optimizer, and the
+state's shapes and shardings.
+
+  experiment = Experiment.create(config, workdir)          # reads the data
+  state, state_sharding = experiment.init_state()
+  train_step = experiment.train_step(state_sharding)
+
+`Experiment.create(config, data=None, vocab_sizes=..., devices=...)` builds the same thing
+without reading any data (for compiling ahead of time on devices that are not there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import ml_collections
+import optax
+from jax.sharding import Mesh
+
+from transformer_jax import sharding, tasks
+from transformer_jax.config import TransformerConfig
+from transformer_jax.data.readers import parse_labels
+from transformer_jax.data.sources import make_source
+from transformer_jax.run_config import DecodeOptions, EvalOptions
+from transformer_jax.tasks import Task
+from transformer_jax.training.optimizers import make_optimizer, make_schedule
+from transformer_jax.training.state import TrainState, new_train_state
+from transformer_jax.training.steps import NONFINITE_POLICIES, make_eval_step, make_train_step
+
+_POSITIVE_FIELDS = ("num_train_steps", "log_every_steps", "eval_every_steps",
+                    "checkpoint_every_steps", "keep_checkpoints", "batch_size",
+                    "grad_accum_steps")
+
+
+def validate(config: ml_collections.ConfigDict, task: type[Task]) -> None:
+  """Top-level training fields; model fields are checked by TransformerConfig and the
+  decode/eval groups by their option classes."""
+  for field in _POSITIVE_FIELDS:
+    value = config[field]
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"config.{field}={value!r}: must be a positive integer")
+  if config.batch_size % config.grad_accum_steps:
+    raise ValueError(f"config.batch_size={config.batch_size} must be divisible by "
+                     f"config.grad_accum_steps={config.grad_accum_steps}")
+  if config.nonfinite not in NONFINITE_POLICIES:
+    raise ValueError(f"config.nonfinite={config.nonfinite!r}: must be one of "
+                     f"{NONFINITE_POLICIES}")
+  if config.batch_size % jax.process_count():
+    raise ValueError(f"config.batch_size={config.batch_size} must be divisible by the "
+                     f"number of processes ({jax.process_count()})")
+  if not isinstance(config.keep_best_checkpoints, int) or config.keep_best_checkpoints < 0:
+    raise ValueError(f"config.keep_best_checkpoints={config.keep_best_checkpoints!r}: must be "
+                     "an integer >= 0 (0: keep only the most recent)")
+  if config.best_checkpoint_mode not in ("max", "min"):
+    raise ValueError(f"config.best_checkpoint_mode={config.best_checkpoint_mode!r}: must be "
+                     "'max' or 'min'")
+  if config.keep_best_checkpoints:
+    names = [f"eval/{m}" for m in task.metric_names]
+    if config.best_checkpoint_metric not in names:
+      raise ValueError(f"config.best_checkpoint_metric={config.best_checkpoint_metric!r}: a "
+                       f"{task.name} task reports {', '.join(names)}")
+
+
+def model_config(config: ml_collections.ConfigDict, task: type[Task], vocab_size: int,
+                 target_vocab_size: int | None = None) -> tuple[TransformerConfig, dict]:
+  """The config's model group with the data's vocabulary sizes (target_vocab_size: a
+  separate target vocabulary), and the task's head options."""
+  fields, head = tasks.split_model_fields(task, config.model.to_dict())
+  fields["vocab_size"] = vocab_size
+  if target_vocab_size is not None:
+    if fields.get("share_embeddings", True):   # Equal sizes or not, id i means different pieces.
+      raise ValueError("model.share_embeddings=True needs one vocabulary for source and "
+                       "target, but data.shared_vocab=False gives two; set "
+                       "--config.model.share_embeddings=False")
+    fields["target_vocab_size"] = target_vocab_size
+  return TransformerConfig.from_dict(fields), head
+
+
+@dataclasses.dataclass
+class Experiment:
+  """Everything a run derives from its config before the first step."""
+  config: ml_collections.ConfigDict
+  task: Task
+  data: Any | None            # data/sources.py; None when built without data
+  mesh: Mesh
+  decode: DecodeOptions
+  eval: EvalOptions
+  schedule: optax.Schedule
+  optimizer: optax.GradientTransformation
+
+  @classmethod
+  def create(cls, config: ml_collections.ConfigDict, workdir: str | None = None, *,
+             data: bool = True, vocab_sizes: tuple[int, int | None] | None = None,
+             labels: Sequence[str] | None = None,
+             devices: Sequence[Any] | None = None) -> "Experiment":
+    """Validates the config, then builds the data (tokenizers trained or reloaded in the
+    workdir) and the rest. With data=False nothing is read: the vocabulary sizes are
+    `vocab_sizes` (source, separate target or None) and the label names `labels` or
+    data.labels. `devices`: the mesh's devices (default: all of this process's backend)."""
+    task_cls = tasks.task_class(config.get("task", "seq2seq"))
+    validate(config, task_cls)
+    decode = DecodeOptions.from_dict(config.decode.to_dict())
+    eval_options = EvalOptions.from_dict(config.eval.to_dict())
+    source = None
+    if data:
+      source = make_source(task_cls, config.data, config.seed, workdir)
+      if jax.process_index() == 0:
+        print(f"data: {source.summary}")
+      target = source.target_tokenizer
+      vocab_sizes = (source.tokenizer.vocab_size,
+                     None if target is source.tokenizer else target.vocab_size)
+      labels = source.labels
+    elif vocab_sizes is None:
+      raise ValueError("without data, give the vocabulary sizes")
+    elif labels is None and task_cls.needs_labels:
+      labels = parse_labels(config.data.get("labels", ""))
+    model_cfg, head = model_config(config, task_cls, *vocab_sizes)
+    task = task_cls(model_cfg, tokenizer=source and source.tokenizer,
+                    target_tokenizer=source and source.target_tokenizer, labels=labels,
+                    label_smoothing=config.label_smoothing, head=head)
+    mesh = sharding.make_mesh(config.mesh.to_dict(), list(devices) if devices else None)
+    sharding.check_batch_fits(config.batch_size // config.grad_accum_steps, mesh,
+                              "batch_size/grad_accum_steps")
+    schedule = make_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
+    return cls(config, task, source, mesh, decode, eval_options, schedule,
+               make_optimizer(config.optimizer, schedule))
+
+  @property
+  def model_config(self) -> TransformerConfig:
+    return self.task.model_config
+
+  def resolved_config(self) -> dict[str, Any]:
+    """The config as run: its model group with the vocabulary sizes and head options."""
+    resolved = self.config.to_dict()
+    resolved["model"] = {**self.model_config.to_dict(), **self.task.head}
+    return resolved
+
+  # ------------------------------------------------------------------------ state
+  def _new_state(self) -> TrainState:
+    return new_train_state(self.task.init_params(jax.random.PRNGKey(self.config.seed)),
+                           self.optimizer, self.config.seed)
+
+  def init_state(self) -> tuple[TrainState, Any]:
+    """The initial state, created under jit in its final shardings (no device ever holds
+    the whole state), and those shardings."""
+    return sharding.create_sharded(self._new_state, self.mesh)
+
+  def abstract_state(self) -> tuple[TrainState, Any]:
+    """The state's shapes and dtypes with their shardings (nothing allocated), and the
+    shardings."""
+    shardings = sharding.shardings_for(jax.eval_shape(self._new_state), self.mesh)
+    shapes = jax.eval_shape(lambda: nn.meta.unbox(self._new_state()))
+    return sharding.with_shardings(shapes, shardings), shardings
+
+  def abstract_params(self) -> tuple[Any, Any]:
+    """The parameters' shapes with shardings (what a saved model restores into)."""
+    init = lambda: self.task.init_params(jax.random.PRNGKey(0))
+    shardings = sharding.shardings_for(jax.eval_shape(init), self.mesh)
+    shapes = jax.eval_shape(lambda: nn.meta.unbox(init()))
+    return sharding.with_shardings(shapes, shardings), shardings
+
+  # ------------------------------------------------------------------------ steps
+  def train_step(self, state_sharding: Any) -> Callable:
+    """The jitted train step, `(state, global batch) -> (state, metrics)`, state donated."""
+    return make_train_step(self.task, self.optimizer, self.schedule,
+                           self.config.grad_accum_steps, state_sharding,
+                           sharding.batch_sharding(self.mesh))
+
+  def eval_step(self, params_sharding: Any) -> Callable:
+    """The jitted teacher-forced step `(params, global batch) -> sums`."""
+    return make_eval_step(self.task, params_sharding, sharding.batch_sharding(self.mesh))
+
+  def eval_batches(self, split: str, limit: int = 0) -> list:
+    """The first `limit` examples of `split` (all if 0) in static-shape batches of
+    eval.batch_size rows, checked against the model (ids and lengths)."""
+    batches = self.data.eval_batches(self.task, split, self.eval.batch_size, limit)
+    for batch in batches:
+      self.task.check_batch(batch.arrays, f"{split} data")
+    return batches
+
+  def train_batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global training batch's shapes with their sharding."""
+    c = self.config
+    spec = self.task.batch_spec(c.batch_size, c.data.max_length,
+                                max_per_row=c.data.get("max_segments", 0) or 1)
+    batch_sharding = sharding.batch_sharding(self.mesh)
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
+            for k, v in spec.items()}
