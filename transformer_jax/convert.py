@@ -352,7 +352,8 @@ def import_marian(directory: str, allow_pickle: bool = False) -> tuple[Transform
   max_length = min(int(generation.get("max_length") or cfg.max_len), cfg.max_len)
   run_config = {"task": "seq2seq", "model": cfg.to_dict(),
                 "decode": {"beam_size": int(generation.get("num_beams") or 4), "alpha": 0.6,
-                           # predict's budget counts from a 1-token target: HF's max_length.
+                           # predict allows the batch's target width + this:
+                           # at least HF's max_length.
                            "max_extra_length": max_length - 1},
                 "converted_from": {"format": "hf_marian", "path": os.path.abspath(directory)}}
   return cfg, params, run_config, source, target
