@@ -181,7 +181,8 @@ def abstract_params(cfg: TransformerConfig) -> Any:
 
 
 def _expected_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
-  return {path: tuple(leaf.shape) for path, leaf in _flat(nn.meta.unbox(abstract_params(cfg))).items()}
+  unboxed = nn.meta.unbox(abstract_params(cfg))
+  return {path: tuple(leaf.shape) for path, leaf in _flat(unboxed).items()}
 
 
 def permute_embed_axes(params: dict, cfg: TransformerConfig, perm: np.ndarray) -> dict:
@@ -613,8 +614,9 @@ def params_from_torch_state_dict(state: dict[str, np.ndarray], cfg: TransformerC
   _tree_set(params, "shared_embedding/embedding", np.asarray(state["embedding.weight"], np.float32))
   for stack in ("encoder", "decoder"):
     if cfg.norm_position == "pre":
-      _tree_set(params, f"{stack}/final_norm/scale", np.asarray(state[f"transformer.{stack}.norm.weight"]))
-      _tree_set(params, f"{stack}/final_norm/bias", np.asarray(state[f"transformer.{stack}.norm.bias"]))
+      for ours, theirs in (("scale", "weight"), ("bias", "bias")):
+        _tree_set(params, f"{stack}/final_norm/{ours}",
+                  np.asarray(state[f"transformer.{stack}.norm.{theirs}"], np.float32))
     if cfg.positional == "learned":
       _tree_set(params, f"{stack}/input_embedding/positional/position_embedding",
                 np.asarray(state[f"positions.{stack}"], np.float32))
