@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from benchmarks import common
+from transformer_jax import convert
 from transformer_jax.config import PAD_ID, TransformerConfig
 from transformer_jax.modules.embedding import sinusoidal_table
 
@@ -43,6 +44,7 @@ class TorchTransformer(nn.Module):
     if not (cfg.share_embeddings and cfg.tie_output):
       raise SystemExit("--compare=torch supports shared, tied embeddings (the paper's)")
     d, pre = cfg.d_model, cfg.norm_position == "pre"
+    self.config = cfg
     self.d_model, self.label_smoothing = d, label_smoothing
     self.embedding = nn.Embedding(cfg.vocab_size, d)
     nn.init.normal_(self.embedding.weight, std=d ** -0.5)
@@ -51,7 +53,9 @@ class TorchTransformer(nn.Module):
                                          for k in ("encoder", "decoder")})
     else:
       self.positions = None
-      self.register_buffer("sinusoids", torch.from_numpy(sinusoidal_table(cfg.max_len, d)))
+      # Not persistent: fixed, so not part of the state_dict that convert.py maps.
+      self.register_buffer("sinusoids", torch.from_numpy(sinusoidal_table(cfg.max_len, d)),
+                           persistent=False)
     self.dropout = nn.Dropout(cfg.dropout_rate)
     # flax's gelu is the tanh approximation.
     activation = (functools.partial(F.gelu, approximate="tanh") if cfg.activation == "gelu"
@@ -102,40 +106,10 @@ class TorchTransformer(nn.Module):
 
   @torch.no_grad()
   def load_jax_params(self, params: Any) -> None:
-    """Copies the JAX model's (unrolled, separate-QKV) parameters into this model."""
-    t = lambda x: torch.from_numpy(np.asarray(x, np.float32).copy())
-    dense = lambda linear, p: (linear.weight.copy_(t(p["kernel"]).reshape(
-        -1, linear.weight.shape[0]).T), linear.bias.copy_(t(p["bias"]).reshape(-1)))
-    norm = lambda ln, p: (ln.weight.copy_(t(p["scale"])), ln.bias.copy_(t(p["bias"])))
-
-    def attention(mha, p):
-      mha.in_proj_weight.copy_(torch.cat([t(p[k]["kernel"]).reshape(self.d_model, -1).T
-                                          for k in ("query", "key", "value")]))
-      mha.in_proj_bias.copy_(torch.cat([t(p[k]["bias"]).reshape(-1)
-                                        for k in ("query", "key", "value")]))
-      mha.out_proj.weight.copy_(t(p["out"]["kernel"]).reshape(-1, self.d_model).T)
-      mha.out_proj.bias.copy_(t(p["out"]["bias"]))
-
-    self.embedding.weight.copy_(t(params["shared_embedding"]["embedding"]))
-    for stack, torch_stack in (("encoder", self.transformer.encoder),
-                               ("decoder", self.transformer.decoder)):
-      if "final_norm" in params[stack]:
-        norm(torch_stack.norm, params[stack]["final_norm"])
-      learned = params[stack].get("input_embedding", {}).get("positional", {})
-      if learned:
-        self.positions[stack].copy_(t(learned["position_embedding"]))
-      for i, layer in enumerate(torch_stack.layers):
-        p = params[stack][f"layer_{i}"]
-        attention(layer.self_attn, p["self_attention"])
-        norm(layer.norm1, p["self_attention_norm"])
-        dense(layer.linear1, p["feed_forward"]["wi"])
-        dense(layer.linear2, p["feed_forward"]["wo"])
-        if stack == "decoder":
-          attention(layer.multihead_attn, p["cross_attention"])
-          norm(layer.norm2, p["cross_attention_norm"])
-          norm(layer.norm3, p["feed_forward_norm"])
-        else:
-          norm(layer.norm2, p["feed_forward_norm"])
+    """Copies the JAX model's (unrolled, separate-QKV) parameters into this model, through
+    `transformer_jax.convert.torch_state_dict` (this module's state_dict layout)."""
+    self.load_state_dict({k: torch.from_numpy(v)
+                          for k, v in convert.torch_state_dict(params, self.config).items()})
 
 
 def _train_step(s: common.Setup, batch: dict[str, np.ndarray], compiled: bool, device: str,

@@ -113,7 +113,7 @@ def test_dropout_rate_bounds_that_are_allowed(field):
 @pytest.mark.parametrize("field, value", [
     ("norm_position", "middle"), ("norm_position", "Pre"),
     ("positional", "rope"), ("positional", None),
-    ("activation", "swish"),
+    ("activation", "tanh"), ("sinusoidal_layout", "split"),
     ("attention_impl", "flash"),
     ("dtype", "float64"), ("dtype", "bf16"),
     ("param_dtype", "int8"),
@@ -128,6 +128,8 @@ def test_unknown_choices_are_rejected(field, value):
     ("attention_impl", "einsum"), ("attention_impl", "cudnn"), ("dtype", "bfloat16"),
     ("remat_policy", "full"), ("remat_policy", "dots"), ("remat_policy", "dots_no_batch"),
     ("scan_layers", True), ("fused_qkv", True),
+    ("activation", "swish"), ("activation", "silu"), ("sinusoidal_layout", "halves"),
+    ("final_logits_bias", True),
 ])
 def test_known_choices_are_accepted(field, value):
   assert getattr(TransformerConfig(vocab_size=V, **{field: value}), field) == value
@@ -147,7 +149,7 @@ def test_target_vocab_size_must_be_positive(value):
   _raises_naming("target_vocab_size", target_vocab_size=value, share_embeddings=False)
 
 
-@pytest.mark.parametrize("field", ["scan_layers", "fused_qkv"])
+@pytest.mark.parametrize("field", ["scan_layers", "fused_qkv", "final_logits_bias"])
 @pytest.mark.parametrize("value", [1, "True", None])
 def test_speed_flags_must_be_booleans(field, value):
   _raises_naming(field, **{field: value})

@@ -4,6 +4,7 @@ options are random under train=True and deterministic under train=False."""
 from __future__ import annotations
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +20,10 @@ OPTIONS = [
     ("norm=pre", dict(norm_position="pre"), False),
     ("positional=learned", dict(positional="learned"), False),
     ("activation=gelu", dict(activation="gelu"), False),
+    ("activation=swish", dict(activation="swish"), False),
+    ("activation=silu", dict(activation="silu"), False),
+    ("marian: halves+final_logits_bias", dict(sinusoidal_layout="halves",
+                                               final_logits_bias=True), False),
     ("attention=einsum", dict(attention_impl="einsum"), False),
     ("untied-unshared", dict(share_embeddings=False, tie_output=False,
                              target_vocab_size=VOCAB + 7), False),
@@ -139,3 +144,59 @@ def test_zero_rates_make_training_deterministic():
   src, tgt_in, _ = _data(cfg)
   trained = apply(variables, src, tgt_in, train=True, rngs={"dropout": jax.random.PRNGKey(3)})
   assert_close(trained, apply(variables, src, tgt_in))
+
+
+# ------------------------------------------------------------------- MarianMT's options
+def test_swish_and_silu_are_x_sigmoid_x_in_the_feed_forward():
+  from transformer_jax.modules.layers import FeedForward
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 32))
+  cfg = tiny_config(activation="swish")
+  variables = FeedForward(cfg).init(jax.random.PRNGKey(1), x)
+  p = nn.meta.unbox(variables["params"])
+  h = x @ p["wi"]["kernel"] + p["wi"]["bias"]
+  expected = (h * jax.nn.sigmoid(h)) @ p["wo"]["kernel"] + p["wo"]["bias"]
+  assert_close(FeedForward(cfg).apply(variables, x), expected)
+  assert_close(FeedForward(cfg.replace(activation="silu")).apply(variables, x), expected)
+  relu = FeedForward(cfg.replace(activation="relu")).apply(variables, x)
+  assert np.abs(np.asarray(relu) - np.asarray(expected)).max() > 1e-3
+
+
+@pytest.mark.parametrize("d_model", [8, 9])
+def test_halves_layout_puts_the_sines_first(d_model):
+  from transformer_jax.modules.embedding import interleaved_to_halves, sinusoidal_table
+  interleaved = sinusoidal_table(10, d_model)
+  halves = sinusoidal_table(10, d_model, "halves")
+  sines = (d_model + 1) // 2
+  angles = np.arange(10)[:, None] / np.power(10000.0, np.arange(0, d_model, 2) / d_model)
+  np.testing.assert_allclose(halves[:, :sines], np.sin(angles), atol=1e-6)
+  np.testing.assert_allclose(halves[:, sines:], np.cos(angles[:, :d_model // 2]), atol=1e-6)
+  np.testing.assert_array_equal(halves, interleaved[:, interleaved_to_halves(d_model)])
+
+
+def test_permuting_model_dimensions_turns_interleaved_into_halves():
+  """Re-laying every "embed" axis is the same function with the other sinusoid layout:
+  what lets a model trained here export to MarianMT exactly (transformer_jax.convert)."""
+  from transformer_jax import convert
+  from transformer_jax.modules.embedding import interleaved_to_halves
+  cfg = tiny_config(num_decoder_layers=2)
+  params = jax.tree_util.tree_map(np.asarray, nn.meta.unbox(transformer_variables(cfg)["params"]))
+  permuted = convert.permute_embed_axes(params, cfg, interleaved_to_halves(cfg.d_model))
+  src, tgt_in, _ = _data(cfg)
+  expected = transformer_apply(cfg)({"params": params}, src, tgt_in)
+  halves = cfg.replace(sinusoidal_layout="halves")
+  assert_close(transformer_apply(halves)({"params": permuted}, src, tgt_in), expected,
+               atol=1e-5)
+  assert np.abs(np.asarray(transformer_apply(halves)({"params": params}, src, tgt_in))
+                - np.asarray(expected)).max() > 1e-3
+
+
+def test_final_logits_bias_is_added_to_every_position():
+  cfg = tiny_config(final_logits_bias=True)
+  params = flax.core.unfreeze(transformer_variables(cfg)["params"])
+  assert "final_logits_bias" not in transformer_variables(tiny_config())["params"]["decoder"]
+  src, tgt_in, _ = _data(cfg)
+  zero = np.asarray(transformer_apply(cfg)({"params": params}, src, tgt_in))
+  bias = np.linspace(-2, 2, cfg.vocab_size).astype(np.float32)
+  params["decoder"]["final_logits_bias"] = bias
+  shifted = np.asarray(transformer_apply(cfg)({"params": params}, src, tgt_in))
+  np.testing.assert_allclose(shifted - zero, np.broadcast_to(bias, zero.shape), atol=1e-5)

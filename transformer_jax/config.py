@@ -21,7 +21,8 @@ UNK_ID = 3
 _CHOICES = {
     "norm_position": ("post", "pre"),
     "positional": ("sinusoidal", "learned"),
-    "activation": ("relu", "gelu"),
+    "activation": ("relu", "gelu", "swish", "silu"),
+    "sinusoidal_layout": ("interleaved", "halves"),
     "attention_impl": ("einsum", "xla", "cudnn"),
     "remat_policy": ("none", "full", "dots", "dots_no_batch"),
 }
@@ -48,7 +49,12 @@ class TransformerConfig:
     tie_output: the pre-softmax projection reuses the target embedding (paper §3.4).
     norm_position: "post" (paper: LayerNorm(x + Sublayer(x))) or "pre" (with a final norm).
     positional: "sinusoidal" (paper §3.5) or "learned".
-    activation: feed-forward nonlinearity, "relu" (paper) or "gelu".
+    activation: feed-forward nonlinearity, "relu" (paper), "gelu" (tanh approximation), or
+      "swish" / "silu" (two names of x * sigmoid(x), as Marian and Hugging Face spell it).
+    sinusoidal_layout: where the sinusoids go: "interleaved" (paper: sin at even, cos at odd
+      dimensions) or "halves" (sin in the first half, cos in the second; Marian/OPUS-MT).
+    final_logits_bias: add a learned per-token bias to the output logits (Marian's
+      `final_logits_bias`).
     attention_impl: "xla" or "cudnn" (both through jax.nn.dot_product_attention; "cudnn"
       falls back to "xla" where the backend, dtype or shapes do not allow it) or "einsum"
       (explicit; the only path that can return attention weights).
@@ -82,6 +88,8 @@ class TransformerConfig:
   norm_position: str = "post"
   positional: str = "sinusoidal"
   activation: str = "relu"
+  sinusoidal_layout: str = "interleaved"
+  final_logits_bias: bool = False
   attention_impl: str = "xla"
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -167,7 +175,7 @@ class TransformerConfig:
         fail(field, "must be a number in [0, 1)")
     if not isinstance(self.layer_norm_epsilon, (int, float)) or self.layer_norm_epsilon <= 0:
       fail("layer_norm_epsilon", "must be a positive number")
-    for field in ("scan_layers", "fused_qkv"):
+    for field in ("scan_layers", "fused_qkv", "final_logits_bias"):
       if not isinstance(getattr(self, field), bool):
         fail(field, "must be True or False")
     for field, choices in _CHOICES.items():

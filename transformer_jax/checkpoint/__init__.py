@@ -16,18 +16,17 @@ exports, averages, and finds the models of a workdir for inference.
 
 from transformer_jax.checkpoint.exports import (CHECKPOINT_DIR, EXPORT_DIR, Model, best_step,
                                                 checkpoint_steps, export, first_good, models,
-                                                read_model, restore_params, select_steps)
+                                                read_model, restore_params, select_steps,
+                                                write_export)
 from transformer_jax.checkpoint.manager import DAMAGED_DIR, Restored, TrainCheckpoints
 from transformer_jax.checkpoint.manifest import (DamagedCheckpointError,
                                                  IncompatibleCheckpointError,
                                                  config_differences, describe, signature)
-# The tokenizer item lives with the tokenizers; re-exported for callers of the old module.
-from transformer_jax.data.tokenizer import TextAssets, load_tokenizer_item, tokenizer_item
 
 __all__ = [
     "CHECKPOINT_DIR", "DAMAGED_DIR", "EXPORT_DIR", "DamagedCheckpointError",
-    "IncompatibleCheckpointError", "Model", "Restored", "TextAssets", "TrainCheckpoints",
+    "IncompatibleCheckpointError", "Model", "Restored", "TrainCheckpoints",
     "best_step", "checkpoint_steps", "config_differences", "describe", "export", "first_good",
-    "load_tokenizer_item", "models", "read_model", "restore_params", "select_steps",
-    "signature", "tokenizer_item",
+    "models", "read_model", "restore_params", "select_steps",
+    "signature", "write_export",
 ]

@@ -138,12 +138,23 @@ def export(checkpoint_dir: str, steps: Sequence[int], output: str) -> str:
     total = as64 if total is None else jax.tree_util.tree_map(np.add, total, as64)
   # The mean is taken in float64 and rounded once to each parameter's dtype.
   mean = jax.tree_util.tree_map(lambda t, p: (t / len(paths)).astype(p.dtype), total, params)
-  manifest = {"step": steps[-1], "averaged_steps": steps,
-              "leaves": {"params": describe(mean)}}
+  return write_export(str(output_path), mean, newest["config"], newest["tokenizer"], steps)
+
+
+def write_export(output: str, params: Any, run_config: dict, tokenizer: dict,
+                 steps: Sequence[int]) -> str:
+  """A params-only export at `output` (which must not exist): `params` (host arrays), the
+  run config, the tokenizer item (data.tokenizer.tokenizer_item) and a manifest saying which
+  training `steps` it comes from (their mean if several). Returns `output`."""
+  output_path = absolute(output)
+  if output_path.exists():
+    raise FileExistsError(f"{output_path} already exists; choose another --output")
+  manifest = {"step": steps[-1], "averaged_steps": list(steps),
+              "leaves": {"params": describe(params)}}
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
     checkpointer.save(output_path, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(mean), config=ocp.args.JsonSave(newest["config"]),
-        tokenizer=ocp.args.JsonSave(newest["tokenizer"]), manifest=ocp.args.JsonSave(manifest)))
+        params=ocp.args.StandardSave(params), config=ocp.args.JsonSave(run_config),
+        tokenizer=ocp.args.JsonSave(tokenizer), manifest=ocp.args.JsonSave(manifest)))
   return str(output_path)
 
 

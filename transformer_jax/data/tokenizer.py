@@ -163,7 +163,63 @@ class WordVocab:
     return cls(data["words"], data["normalize_digits"])
 
 
-_KINDS = {c.kind: c for c in (SymbolVocab, SentencePieceTokenizer, WordVocab)}
+class MarianSentencePiece:
+  """One side of MarianTokenizer (Hugging Face, OPUS-MT): a SentencePiece model cuts the
+  text into pieces and a vocabulary shared by source and target maps pieces to ids (a piece
+  outside it is UNK). `pieces[i]` is the piece of id i, in this project's id order (see
+  `transformer_jax.convert`). `append_eos` is set on the source side, where MarianTokenizer
+  appends </s>; the pipeline appends EOS to targets itself. A leading language code such as
+  ">>fra<<" stays one token, as in MarianTokenizer. Decoding drops special ids, as
+  `decode(skip_special_tokens=True)` does."""
+
+  kind = "marian_spm"
+
+  def __init__(self, model_proto: bytes, pieces: Sequence[str], append_eos: bool):
+    self.model_proto, self.pieces, self.append_eos = model_proto, list(pieces), append_eos
+    self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    self._ids = {piece: i for i, piece in enumerate(self.pieces)}
+    if len(self._ids) != len(self.pieces):
+      raise ValueError("MarianSentencePiece: the vocabulary repeats a piece")
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self.pieces)
+
+  def pieces_of(self, text: str) -> list[str]:
+    code = []
+    end = text.find("<<") if text.startswith(">>") else -1
+    if end != -1:
+      code, text = [text[:end + 2]], text[end + 2:]
+    return code + self._sp.encode(text, out_type=str)
+
+  def encode(self, text: str) -> list[int]:
+    ids = [self._ids.get(piece, UNK_ID) for piece in self.pieces_of(text)]
+    return ids + [EOS_ID] if self.append_eos else ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    pieces = [self.pieces[i] for i in ids if i >= len(SPECIALS)]
+    # Pieces the model does not know (e.g. of the other language) keep their "▁"; replace
+    # it as MarianTokenizer does.
+    return self._sp.decode_pieces(pieces).replace("\u2581", " ").strip()
+
+  def save(self, path: str) -> None:
+    model_file = os.path.splitext(os.path.basename(path))[0] + ".spm"
+    with open(os.path.join(os.path.dirname(path), model_file), "wb") as f:
+      f.write(self.model_proto)
+    with open(path, "w") as f:
+      json.dump({"kind": self.kind, "model_file": model_file, "append_eos": self.append_eos,
+                 "pieces": self.pieces}, f, ensure_ascii=False)
+
+  @classmethod
+  def load(cls, path: str) -> "MarianSentencePiece":
+    with open(path) as f:
+      data = json.load(f)
+    with open(os.path.join(os.path.dirname(path), data["model_file"]), "rb") as f:
+      return cls(f.read(), data["pieces"], data["append_eos"])
+
+
+_KINDS = {c.kind: c for c in (SymbolVocab, SentencePieceTokenizer, WordVocab,
+                              MarianSentencePiece)}
 
 
 def load_tokenizer(path: str):

@@ -13,15 +13,27 @@ Array = jax.Array
 partitioned = nn.with_logical_partitioning
 
 
-def sinusoidal_table(max_len: int, d_model: int) -> np.ndarray:
-  """PE[pos, 2i] = sin(pos / 10000^(2i/d_model)), PE[pos, 2i+1] = cos(same angle)."""
+def sinusoidal_table(max_len: int, d_model: int, layout: str = "interleaved") -> np.ndarray:
+  """PE[pos, 2i] = sin(pos / 10000^(2i/d_model)), PE[pos, 2i+1] = cos(same angle).
+
+  layout "halves" puts the same sines in the first ceil(d_model / 2) dimensions and the
+  cosines after them (Marian), instead of interleaving them.
+  """
   positions = np.arange(max_len, dtype=np.float64)[:, None]
   two_i = np.arange(0, d_model, 2, dtype=np.float64)[None, :]
   angles = positions / np.power(10000.0, two_i / d_model)
   table = np.zeros((max_len, d_model), np.float64)
   table[:, 0::2] = np.sin(angles)
   table[:, 1::2] = np.cos(angles[:, : d_model // 2])
+  if layout == "halves":
+    table = table[:, interleaved_to_halves(d_model)]
   return table.astype(np.float32)
+
+
+def interleaved_to_halves(d_model: int) -> np.ndarray:
+  """The permutation of model dimensions that turns the interleaved sinusoid layout into
+  "halves": even dimensions first, then odd ones (x[..., perm] re-lays a vector)."""
+  return np.concatenate([np.arange(0, d_model, 2), np.arange(1, d_model, 2)])
 
 
 @jax.custom_vjp
@@ -69,7 +81,7 @@ class PositionalEncoding(nn.Module):
   def __call__(self, x: Array, positions: Array) -> Array:
     cfg = self.config
     if cfg.positional == "sinusoidal":
-      table = jnp.asarray(sinusoidal_table(cfg.max_len, cfg.d_model))
+      table = jnp.asarray(sinusoidal_table(cfg.max_len, cfg.d_model, cfg.sinusoidal_layout))
     else:
       table = self.param("position_embedding",
                          partitioned(nn.initializers.normal(stddev=0.02), ("length", "embed")),

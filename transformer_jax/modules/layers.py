@@ -12,7 +12,7 @@ from transformer_jax.modules.attention import MultiHeadAttention
 
 Array = jax.Array
 partitioned = nn.with_logical_partitioning
-_ACTIVATIONS = {"relu": nn.relu, "gelu": nn.gelu}
+_ACTIVATIONS = {"relu": nn.relu, "gelu": nn.gelu, "swish": nn.silu, "silu": nn.silu}
 
 
 def layer_norm(config: TransformerConfig, name: str) -> nn.LayerNorm:

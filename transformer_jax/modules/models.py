@@ -94,7 +94,8 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-  """Embedding + N decoder layers + output projection. Returns float32 logits (B, T, V).
+  """Embedding + N decoder layers + output projection (+ `final_logits_bias`). Returns
+  float32 logits (B, T, V).
 
   `tgt_tokens` are the decoder inputs (the target shifted right, starting with BOS).
   With `decode=True` the call steps a KV cache: the first call creates the cache from a
@@ -142,6 +143,11 @@ class Decoder(nn.Module):
           name="output_projection",
           kernel_init=partitioned(nn.initializers.xavier_uniform(), ("embed", "vocab")),
           bias_init=partitioned(nn.initializers.zeros_init(), ("vocab",)))(y)
+    if cfg.final_logits_bias:
+      bias = self.param("final_logits_bias",
+                        partitioned(nn.initializers.zeros_init(), ("vocab",)),
+                        (cfg.tgt_vocab_size,), cfg.params_dtype)
+      logits = logits + bias.astype(logits.dtype)
     return logits.astype(jnp.float32)
 
 

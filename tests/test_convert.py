@@ -1,0 +1,320 @@
+"""Hugging Face MarianMT and torch.nn.Transformer conversion, checked against transformers
+itself: a small random MarianMTModel with SentencePiece models trained on Multi30k text,
+written with save_pretrained, all offline."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import sentencepiece as spm  # noqa: E402
+
+from transformer_jax import convert, decoding  # noqa: E402
+from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig  # noqa: E402
+from transformer_jax.data.tokenizer import SentencePieceTokenizer  # noqa: E402
+from transformer_jax.modules.models import Transformer  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "..", "shared", "data", "multi30k")
+if not os.path.isdir(DATA):
+  DATA = "/work/shared/data/multi30k"
+pytestmark = pytest.mark.skipif(not os.path.isdir(DATA),
+                                reason="needs the Multi30k text in ../shared/data/multi30k")
+
+
+def _lines(name: str, limit: int | None = None) -> list[str]:
+  with gzip.open(os.path.join(DATA, name), "rt", encoding="utf-8") as f:
+    lines = [line.rstrip("\n") for line in f]
+  return lines[:limit] if limit else lines
+
+
+def _spm(texts: list[str], size: int) -> bytes:
+  model = io.BytesIO()
+  spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model,
+                                 vocab_size=size, hard_vocab_limit=False, minloglevel=2,
+                                 num_threads=1)
+  return model.getvalue()
+
+
+@pytest.fixture(scope="module")
+def marian_dir(tmp_path_factory):
+  """A random MarianMTModel (OPUS-MT layout: swish, scaled embeddings, pad = decoder start =
+  last id, EOS 0, UNK 1) and its MarianTokenizer files, saved with save_pretrained."""
+  directory = str(tmp_path_factory.mktemp("marian"))
+  protos = {"source.spm": _spm(_lines("train.de.gz", 3000), 300),
+            "target.spm": _spm(_lines("train.en.gz", 3000), 300)}
+  pieces = []
+  for name, proto in protos.items():
+    with open(os.path.join(directory, name), "wb") as f:
+      f.write(proto)
+    sp = spm.SentencePieceProcessor(model_proto=proto)
+    pieces += [sp.id_to_piece(i) for i in range(sp.get_piece_size())
+               if not (sp.is_control(i) or sp.is_unknown(i))]
+  words = ["</s>", "<unk>"] + list(dict.fromkeys(pieces)) + ["<pad>"]
+  with open(os.path.join(directory, "vocab.json"), "w") as f:
+    json.dump({w: i for i, w in enumerate(words)}, f)
+  pad = len(words) - 1
+  hf = transformers.MarianConfig(
+      vocab_size=len(words), d_model=32, encoder_layers=2, decoder_layers=2,
+      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+      decoder_ffn_dim=64, max_position_embeddings=128, activation_function="swish",
+      scale_embedding=True, pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=0,
+      forced_eos_token_id=None, dropout=0.1)
+  torch.manual_seed(0)
+  model = transformers.MarianMTModel(hf).eval()
+  with torch.no_grad():   # every tensor random, LayerNorms and the logits bias included
+    for name, p in model.named_parameters():
+      p.copy_(1.0 + 0.2 * torch.randn_like(p) if "layer_norm.weight" in name
+              else 0.3 * torch.randn_like(p))
+    model.final_logits_bias.copy_(torch.randn_like(model.final_logits_bias))
+  model.generation_config.max_length = 32    # the import's decoding budget (predict)
+  model.save_pretrained(directory)
+  tokenizer = transformers.MarianTokenizer(os.path.join(directory, "source.spm"),
+                                           os.path.join(directory, "target.spm"),
+                                           os.path.join(directory, "vocab.json"))
+  tokenizer.save_pretrained(directory)
+  return directory
+
+
+@pytest.fixture(scope="module")
+def imported(marian_dir):
+  cfg, params, run_config, source, target = convert.import_marian(marian_dir)
+  hf = json.load(open(os.path.join(marian_dir, "config.json")))
+  vocab = json.load(open(os.path.join(marian_dir, "vocab.json")))
+  order, _ = convert.marian_id_order(hf, vocab, {}, marian_dir)
+  to_ours = np.zeros(len(order), np.int64)
+  to_ours[[i for i in order if i is not None]] = [j for j, i in enumerate(order) if i is not None]
+  model = transformers.MarianMTModel.from_pretrained(marian_dir).eval()
+  tokenizer = transformers.MarianTokenizer.from_pretrained(marian_dir)
+  return dict(cfg=cfg, params=params, run_config=run_config, source=source, target=target,
+              order=order, to_ours=to_ours, model=model, tokenizer=tokenizer)
+
+
+def _ours(ids: torch.Tensor, mask: torch.Tensor, to_ours: np.ndarray) -> np.ndarray:
+  """Marian ids -> ours, padding -> our PAD."""
+  return np.where(mask.numpy().astype(bool), to_ours[ids.numpy()], PAD_ID).astype(np.int32)
+
+
+def test_import_gives_transformers_logits_on_a_padded_batch(imported):
+  m = imported
+  src_texts = _lines("val.de.gz", 6)
+  tgt_texts = _lines("val.en.gz", 6)
+  batch = m["tokenizer"](src_texts, text_target=tgt_texts, padding=True, return_tensors="pt")
+  pad = m["tokenizer"].pad_token_id
+  labels = batch["labels"].masked_fill(batch["labels"] == -100, pad)
+  start = m["model"].config.decoder_start_token_id
+  dec_in = torch.cat([torch.full((labels.shape[0], 1), start), labels[:, :-1]], 1)
+  dec_mask = torch.cat([torch.ones((labels.shape[0], 1), dtype=torch.long),
+                        (labels[:, :-1] != pad).long()], 1)
+  assert (batch["attention_mask"] == 0).any() and (dec_mask == 0).any()   # really padded
+  with torch.no_grad():
+    theirs = m["model"](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        decoder_input_ids=dec_in).logits.numpy()
+  src = _ours(batch["input_ids"], batch["attention_mask"], m["to_ours"])
+  tgt = _ours(dec_in, dec_mask, m["to_ours"])
+  ours = np.asarray(Transformer(m["cfg"]).apply({"params": m["params"]}, src, tgt))
+  real = dec_mask.numpy().astype(bool)
+  marian_columns = [i for i in m["order"] if i is not None]
+  ours_real = ours[real][:, 1:]                       # without the added PAD column
+  theirs_real = theirs[real][:, marian_columns]
+  assert np.abs(ours_real - theirs_real).max() < 1e-4
+  log_ours = jax.nn.log_softmax(ours[real])[:, 1:]
+  log_theirs = jax.nn.log_softmax(theirs[real])[:, marian_columns]
+  assert np.abs(np.asarray(log_ours) - np.asarray(log_theirs)).max() < 1e-4
+
+
+def test_greedy_decoding_equals_generate(imported):
+  m = imported
+  batch = m["tokenizer"](_lines("val.de.gz", 8), padding=True, return_tensors="pt")
+  pad = m["model"].config.pad_token_id
+  with torch.no_grad():
+    theirs = m["model"].generate(**batch, num_beams=1, do_sample=False, max_new_tokens=24,
+                                 bad_words_ids=[[pad]]).numpy()[:, 1:]   # drop the start
+  src = _ours(batch["input_ids"], batch["attention_mask"], m["to_ours"])
+  ours = decoding.generate(m["cfg"], m["params"], src, max_length=24, beam_size=1)
+  for row_ours, row_theirs in zip(ours, theirs):
+    expected = m["to_ours"][row_theirs].tolist()
+    if EOS_ID in expected:
+      expected = expected[:expected.index(EOS_ID) + 1]
+    assert row_ours[:len(expected)].tolist() == expected
+
+
+def test_tokenization_equals_marian_tokenizer_on_multi30k_validation(imported):
+  m = imported
+  sources, targets = _lines("val.de.gz"), _lines("val.en.gz")
+  theirs_src = m["tokenizer"](sources)["input_ids"]
+  theirs_tgt = m["tokenizer"](text_target=targets)["input_ids"]
+  for text, ids in zip(sources, theirs_src):
+    assert m["source"].encode(text) == m["to_ours"][ids].tolist(), text
+  for text, ids in zip(targets, theirs_tgt):   # MarianTokenizer appends </s>; our pipeline does
+    assert m["target"].encode(text) + [EOS_ID] == m["to_ours"][ids].tolist(), text
+
+
+def _our_model(tmp_path, edit=None, **overrides):
+  """An export of a model of this project (paper layout: interleaved sinusoids, epsilon
+  1e-6) with a SentencePiece vocabulary trained on Multi30k de+en; `edit(params)` may
+  change its parameters first."""
+  texts = _lines("train.de.gz", 2000) + _lines("train.en.gz", 2000)
+  tokenizer = SentencePieceTokenizer.train(texts, 400)
+  cfg = TransformerConfig.small(tokenizer.vocab_size, **overrides)
+  dummy = np.ones((1, 4), np.int32)
+  params = jax.tree_util.tree_map(np.asarray, nn.meta.unbox(Transformer(cfg).init(
+      jax.random.PRNGKey(3), dummy, dummy)["params"]))
+  if edit:
+    edit(params)
+  run_config = {"task": "seq2seq", "model": cfg.to_dict(),
+                "decode": {"beam_size": 4, "alpha": 0.6, "max_extra_length": 20}}
+  workdir = str(tmp_path / "ours")
+  convert.write_export(os.path.join(workdir, "exports", "step_0"), params, run_config,
+                       tokenizer, tokenizer)
+  return workdir, cfg, params, tokenizer
+
+
+def test_export_loads_in_transformers_and_round_trips_exactly(tmp_path):
+  def random_bias(params):
+    bias = params["decoder"]["final_logits_bias"]
+    params["decoder"]["final_logits_bias"] = np.linspace(-1, 1, bias.size, dtype=np.float32)
+
+  workdir, cfg, params, tokenizer = _our_model(tmp_path, random_bias, final_logits_bias=True)
+  out = str(tmp_path / "hf")
+  note = convert.export_marian(workdir, out)
+  assert "layer_norm_epsilon" in note                       # 1e-6 here, 1e-5 in Marian
+
+  model = transformers.MarianMTModel.from_pretrained(out).eval()
+  hf_tokenizer = transformers.MarianTokenizer.from_pretrained(out)
+  sources, targets = _lines("val.de.gz", 5), _lines("val.en.gz", 5)
+  batch = hf_tokenizer(sources, text_target=targets, padding=True, return_tensors="pt")
+  for text, ids in zip(sources, batch["input_ids"].tolist()):   # same ids, + </s>
+    assert [i for i in ids if i != hf_tokenizer.pad_token_id] == tokenizer.encode(text) + [EOS_ID]
+  src = np.where(batch["attention_mask"].numpy() == 1, batch["input_ids"].numpy(), PAD_ID)
+  labels = batch["labels"].numpy()
+  labels = np.where(labels == -100, hf_tokenizer.pad_token_id, labels)
+  tgt = np.concatenate([np.ones((len(labels), 1), np.int64), labels[:, :-1]], 1)
+  real = np.concatenate([np.ones((len(labels), 1), bool),
+                         labels[:, :-1] != hf_tokenizer.pad_token_id], 1)
+  with torch.no_grad():
+    theirs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   decoder_input_ids=torch.from_numpy(tgt)).logits.numpy()
+  ours = np.asarray(Transformer(cfg).apply({"params": params}, src.astype(np.int32),
+                                           np.where(real, tgt, PAD_ID).astype(np.int32)))
+  assert np.abs(ours[real] - theirs[real]).max() < 1e-4
+
+  cfg_back, params_back, _, source, _ = convert.import_marian(out)
+  assert cfg_back == cfg
+  flat, flat_back = convert._flat(params), convert._flat(params_back)
+  assert sorted(flat) == sorted(flat_back)
+  for path in flat:
+    np.testing.assert_array_equal(np.asarray(flat[path]), flat_back[path], err_msg=path)
+  assert source.encode(sources[0]) == tokenizer.encode(sources[0]) + [EOS_ID]
+
+
+def test_torch_state_dict_round_trip_and_same_function(tmp_path):
+  from benchmarks.torch_reference import TorchTransformer
+  cfg = TransformerConfig.small(40, norm_position="pre", positional="learned")
+  dummy = np.ones((1, 4), np.int32)
+  params = jax.tree_util.tree_map(np.asarray, nn.meta.unbox(
+      Transformer(cfg).init(jax.random.PRNGKey(1), dummy, dummy)["params"]))
+  state = convert.torch_state_dict(params, cfg)
+  back = convert.params_from_torch_state_dict(state, cfg)
+  for path, value in convert._flat(params).items():
+    np.testing.assert_array_equal(value, convert._flat(back)[path], err_msg=path)
+  model = TorchTransformer(cfg, 0.0).eval()      # the layout is exactly its state_dict
+  model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+  path = str(tmp_path / "model.safetensors")
+  from safetensors.numpy import save_file
+  save_file(state, path)
+  assert convert.read_state_dict(path, allow_pickle=False).keys() == state.keys()
+  bad = dict(state)
+  bad["embedding.weight"] = bad["embedding.weight"][:, :-1]
+  with pytest.raises(convert.ConvertError, match="embedding.weight has shape"):
+    convert.params_from_torch_state_dict(bad, cfg)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "transformer_jax.convert", *args],
+                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def test_cli_import_then_predict(marian_dir, imported, tmp_path):
+  workdir = str(tmp_path / "w")
+  result = _cli("--from=hf_marian", f"--input={marian_dir}", f"--workdir={workdir}")
+  assert result.returncode == 0, result.stderr
+  lines = _lines("val.de.gz", 3)
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  predicted = subprocess.run(
+      [sys.executable, "-m", "transformer_jax.predict", f"--workdir={workdir}",
+       "--beam_size=1"], input="\n".join(lines) + "\n", capture_output=True, text=True,
+      env=env, cwd=ROOT, timeout=300)
+  assert predicted.returncode == 0, predicted.stderr
+  assert len(predicted.stdout.splitlines()) == len(lines)
+  # Greedy translations that start with transformers' generate, detokenized by MarianTokenizer.
+  m = imported
+  batch = m["tokenizer"](lines, padding=True, return_tensors="pt")
+  with torch.no_grad():
+    generated = m["model"].generate(**batch, num_beams=1, do_sample=False,
+                                    max_new_tokens=32,   # generation_config's max_length
+                                    bad_words_ids=[[m["model"].config.pad_token_id]])
+  # predict's budget is at least generation_config's max_length (batch width + it).
+  for ours, theirs in zip(predicted.stdout.splitlines(),
+                          m["tokenizer"].batch_decode(generated, skip_special_tokens=True)):
+    assert theirs and ours.startswith(theirs)
+
+
+def _broken_copy(marian_dir, tmp_path, name):
+  broken = str(tmp_path / name)
+  shutil.copytree(marian_dir, broken)
+  return broken
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing_vocab", "missing vocab.json"),
+    ("normalize_before", "normalize_before=True is an option this project lacks"),
+    ("shapes", "has shape"),
+    ("pickle", "--allow_pickle"),
+])
+def test_bad_input_is_one_line_naming_the_problem(marian_dir, tmp_path, damage, message):
+  broken = _broken_copy(marian_dir, tmp_path, damage)
+  config_path = os.path.join(broken, "config.json")
+  hf = json.load(open(config_path))
+  if damage == "missing_vocab":
+    os.remove(os.path.join(broken, "vocab.json"))
+  elif damage == "normalize_before":
+    hf.update(normalize_before=True, add_final_layer_norm=True)
+  elif damage == "shapes":
+    hf.update(encoder_ffn_dim=48, decoder_ffn_dim=48)
+  else:
+    os.rename(os.path.join(broken, "model.safetensors"), os.path.join(broken, "pytorch_model.bin"))
+  json.dump(hf, open(config_path, "w"))
+  with pytest.raises(convert.ConvertError, match=message.replace("(", r"\(")) as error:
+    convert.import_marian(broken)
+  assert "\n" not in str(error.value)
+
+
+def test_cli_error_is_one_line_exit_2(marian_dir, tmp_path):
+  broken = _broken_copy(marian_dir, tmp_path, "cli")
+  os.remove(os.path.join(broken, "source.spm"))
+  result = _cli("--from=hf_marian", f"--input={broken}", f"--workdir={tmp_path / 'w'}")
+  assert result.returncode == 2
+  assert result.stderr.strip().count("\n") == 0 and "missing source.spm" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
+def test_export_refuses_what_marian_cannot_express(tmp_path):
+  workdir, *_ = _our_model(tmp_path, norm_position="pre")
+  with pytest.raises(convert.ConvertError, match="model.norm_position='pre'"):
+    convert.export_marian(workdir, str(tmp_path / "hf"))
