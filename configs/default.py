@@ -23,6 +23,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.grad_accum_steps = 1
   config.label_smoothing = 0.0        # Targets are deterministic; nothing to smooth.
   config.nonfinite = "stop"           # "stop" or "skip" a step whose loss/grad is NaN/Inf.
+  # Fine-tune: start from this export or checkpoint directory (its architecture, tokenizers
+  # and parameters; dropout, dtype, remat and attention_impl from this config). A workdir
+  # that has checkpoints resumes from them instead.
+  config.init_from = ""
 
   config.data = ml_collections.ConfigDict()
   config.data.source = "synthetic"

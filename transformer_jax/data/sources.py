@@ -20,11 +20,15 @@ from transformer_jax.data.tokenizer import VOCAB_FILE
 SOURCES = ("synthetic", "local", "tfds")
 
 
-def make_source(task: Any, data: Any, seed: int,
-                workdir: str | None = None) -> SyntheticData | TextData:
+def make_source(task: Any, data: Any, seed: int, workdir: str | None = None,
+                tokenizers: tuple[Any, Any] | None = None) -> SyntheticData | TextData:
   """The data of the config's `data` group for a task class (transformer_jax.tasks). With
-  a workdir, tokenizers are loaded from it or trained and saved there."""
+  a workdir, tokenizers are loaded from it, or taken from `tokenizers` (source, target: a
+  pretrained model's) or trained, and saved there."""
   if data.source == "synthetic":
+    if tokenizers:
+      raise ValueError("init_from: synthetic data has its own fixed vocabulary; fine-tune "
+                       "on text data (data.source=local or tfds)")
     if tuple(task.record_keys) != RECORD_KEYS:
       raise ValueError(f"data.source='synthetic' makes {RECORD_KEYS} pairs, which a "
                        f"{task.name} task cannot read; use data.source=local or tfds")
@@ -40,4 +44,4 @@ def make_source(task: Any, data: Any, seed: int,
     corpus = tfds_corpus(task, data)
   else:
     raise ValueError(f"data.source={data.source!r}: must be one of {SOURCES}")
-  return TextData(task, corpus, data, seed, workdir)
+  return TextData(task, corpus, data, seed, workdir, tokenizers)

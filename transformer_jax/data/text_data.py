@@ -77,10 +77,11 @@ def _train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: Any,
 
 
 def load_or_train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: Any, seed: int,
-                             workdir: str | None) -> tuple[Any, Any, str]:
+                             workdir: str | None,
+                             given: tuple[Any, Any] | None = None) -> tuple[Any, Any, str]:
   """(source tokenizer, target tokenizer, what happened). Reuses the workdir's saved
-  tokenizers; otherwise trains on the training split and saves them there (process 0
-  trains, the other hosts wait and load)."""
+  tokenizers; otherwise takes the `given` ones (a pretrained model's) or trains on the
+  training split, and saves them there (process 0 trains, the other hosts wait and load)."""
   paths = None
   if workdir:
     paths = (os.path.join(workdir, VOCAB_FILE), os.path.join(workdir, TARGET_VOCAB_FILE))
@@ -88,17 +89,19 @@ def load_or_train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: An
       source = load_tokenizer(paths[0])
       target = load_tokenizer(paths[1]) if os.path.exists(paths[1]) else source
       return source, target, f"loaded from {paths[0]}"
+  make = (lambda: given) if given else (lambda: _train_tokenizers(task, corpus, config, seed))
   if jax.process_count() > 1 and paths:
     from jax.experimental import multihost_utils
     if jax.process_index() == 0:
-      _save(*_train_tokenizers(task, corpus, config, seed), paths)
+      _save(*make(), paths)
     multihost_utils.sync_global_devices("tokenizer saved")
     return load_or_train_tokenizers(task, corpus, config, seed, workdir)
-  source, target = _train_tokenizers(task, corpus, config, seed)
+  source, target = make()
   if paths:
     _save(source, target, paths)
   where = f", saved to {paths[0]}" if paths else ""
-  return source, target, f"trained on the {config.train_split} split{where}"
+  origin = "the pretrained model's" if given else f"trained on the {config.train_split} split"
+  return source, target, origin + where
 
 
 def _save(source: Any, target: Any, paths: tuple[str, str]) -> None:
@@ -112,11 +115,11 @@ class TextData:
   """A corpus made ready for training: tokenizers, training batches, eval buckets."""
 
   def __init__(self, task: TokenizerTraining, corpus: Corpus, data_config: Any, seed: int,
-               workdir: str | None = None):
+               workdir: str | None = None, tokenizers: tuple[Any, Any] | None = None):
     self.labels, self.description = corpus.labels, corpus.description
     self._corpus, self._config, self._seed = corpus, data_config, seed
     self.tokenizer, self.target_tokenizer, origin = load_or_train_tokenizers(
-        task, corpus, data_config, seed, workdir)
+        task, corpus, data_config, seed, workdir, tokenizers)
     if workdir and self.labels is not None:
       with open(os.path.join(workdir, LABELS_FILE), "w") as f:
         json.dump({"labels": self.labels}, f)

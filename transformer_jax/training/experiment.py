@@ -13,6 +13,7 @@ without reading any data (for compiling ahead of time on devices that are not th
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -21,16 +22,21 @@ import ml_collections
 import optax
 from jax.sharding import Mesh
 
-from transformer_jax import sharding, tasks
+from transformer_jax import checkpoint, run_config, sharding, tasks
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.readers import parse_labels
 from transformer_jax.data.sources import make_source
+from transformer_jax.data.tokenizer import tokenizer_item
 from transformer_jax.run_config import DecodeOptions, EvalOptions
 from transformer_jax.tasks import Task
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
 from transformer_jax.training.state import TrainState, new_train_state
 from transformer_jax.training.steps import NONFINITE_POLICIES, make_eval_step, make_train_step
 
+# Model fields a fine-tuning run takes from its own config; every other one (the architecture)
+# comes from the pretrained model named by init_from.
+FINE_TUNING_FIELDS = ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate",
+                      "dtype", "remat_policy", "attention_impl")
 _POSITIVE_FIELDS = ("num_train_steps", "log_every_steps", "eval_every_steps",
                     "checkpoint_every_steps", "keep_checkpoints", "batch_size",
                     "grad_accum_steps")
@@ -66,10 +72,21 @@ def validate(config: ml_collections.ConfigDict, task: type[Task]) -> None:
 
 
 def model_config(config: ml_collections.ConfigDict, task: type[Task], vocab_size: int,
-                 target_vocab_size: int | None = None) -> tuple[TransformerConfig, dict]:
+                 target_vocab_size: int | None = None,
+                 pretrained: dict | None = None) -> tuple[TransformerConfig, dict]:
   """The config's model group with the data's vocabulary sizes (target_vocab_size: a
-  separate target vocabulary), and the task's head options."""
-  fields, head = tasks.split_model_fields(task, config.model.to_dict())
+  separate target vocabulary), and the task's head options. With a `pretrained` model group
+  (init_from), the architecture is the pretrained model's and only FINE_TUNING_FIELDS come
+  from the config."""
+  model = config.model.to_dict()
+  if pretrained is not None:   # its vocabulary sizes too: the data uses its tokenizers
+    model = {**pretrained, **{k: model[k] for k in FINE_TUNING_FIELDS if k in model}}
+    fields, head = tasks.split_model_fields(task, model)
+    if fields["vocab_size"] != vocab_size:
+      raise ValueError(f"init_from: the pretrained model has {fields['vocab_size']} source "
+                       f"ids but its tokenizer {vocab_size}")
+    return TransformerConfig.from_dict(fields), head
+  fields, head = tasks.split_model_fields(task, model)
   fields["vocab_size"] = vocab_size
   if target_vocab_size is not None:
     if fields.get("share_embeddings", True):   # Equal sizes or not, id i means different pieces.
@@ -78,6 +95,36 @@ def model_config(config: ml_collections.ConfigDict, task: type[Task], vocab_size
                        "--config.model.share_embeddings=False")
     fields["target_vocab_size"] = target_vocab_size
   return TransformerConfig.from_dict(fields), head
+
+
+def _pretrained(config: ml_collections.ConfigDict,
+                task: type[Task]) -> checkpoint.Model | None:
+  """The model init_from names (an export, e.g. an import from Hugging Face, or a
+  checkpoint), checked to be a model of the run's task."""
+  path = config.get("init_from", "")
+  if not path:
+    return None
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"init_from={path!r}: no such directory (give an export or "
+                            "checkpoint directory)")
+  model = checkpoint.read_model(path)
+  saved = run_config.upgrade(model.config)
+  if saved.get("task", "seq2seq") != task.name:
+    raise ValueError(f"init_from={path!r} holds a {saved.get('task', 'seq2seq')} model; "
+                     f"this run's task is {task.name}")
+  return dataclasses.replace(model, config=saved)
+
+
+def _check_same_text_assets(pretrained: checkpoint.Model, source: Any) -> None:
+  """The data must speak the pretrained model's vocabulary and labels (a workdir with other
+  saved tokenizers cannot fine-tune it)."""
+  theirs = tokenizer_item(pretrained.assets.tokenizer, pretrained.assets.target_tokenizer,
+                          pretrained.assets.labels)
+  ours = tokenizer_item(source.tokenizer, source.target_tokenizer,
+                        theirs["labels"] if source.labels is None else source.labels)
+  if ours != theirs:
+    raise ValueError(f"init_from={pretrained.path!r}: the workdir's tokenizers or the data's "
+                     "labels differ from the pretrained model's; use a fresh --workdir")
 
 
 @dataclasses.dataclass
@@ -91,6 +138,7 @@ class Experiment:
   eval: EvalOptions
   schedule: optax.Schedule
   optimizer: optax.GradientTransformation
+  pretrained: checkpoint.Model | None = None   # what init_from names
 
   @classmethod
   def create(cls, config: ml_collections.ConfigDict, workdir: str | None = None, *,
@@ -105,9 +153,13 @@ class Experiment:
     validate(config, task_cls)
     decode = DecodeOptions.from_dict(config.decode.to_dict())
     eval_options = EvalOptions.from_dict(config.eval.to_dict())
+    pretrained = _pretrained(config, task_cls)
     source = None
     if data:
-      source = make_source(task_cls, config.data, config.seed, workdir)
+      given = pretrained and (pretrained.assets.tokenizer, pretrained.assets.target_tokenizer)
+      source = make_source(task_cls, config.data, config.seed, workdir, given)
+      if pretrained:
+        _check_same_text_assets(pretrained, source)
       if jax.process_index() == 0:
         print(f"data: {source.summary}")
       target = source.target_tokenizer
@@ -118,7 +170,8 @@ class Experiment:
       raise ValueError("without data, give the vocabulary sizes")
     elif labels is None and task_cls.needs_labels:
       labels = parse_labels(config.data.get("labels", ""))
-    model_cfg, head = model_config(config, task_cls, *vocab_sizes)
+    model_cfg, head = model_config(config, task_cls, *vocab_sizes,
+                                   pretrained=pretrained and pretrained.config["model"])
     task = task_cls(model_cfg, tokenizer=source and source.tokenizer,
                     target_tokenizer=source and source.target_tokenizer, labels=labels,
                     label_smoothing=config.label_smoothing, head=head)
@@ -127,7 +180,7 @@ class Experiment:
                               "batch_size/grad_accum_steps")
     schedule = make_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
     return cls(config, task, source, mesh, decode, eval_options, schedule,
-               make_optimizer(config.optimizer, schedule))
+               make_optimizer(config.optimizer, schedule), pretrained)
 
   @property
   def model_config(self) -> TransformerConfig:
@@ -162,6 +215,12 @@ class Experiment:
     shardings = sharding.shardings_for(jax.eval_shape(init), self.mesh)
     shapes = jax.eval_shape(lambda: nn.meta.unbox(init()))
     return sharding.with_shardings(shapes, shardings), shardings
+
+  def initial_params(self, params_sharding: Any) -> Any:
+    """The pretrained parameters (init_from), restored straight into `params_sharding`."""
+    abstract, _ = self.abstract_params()
+    abstract = sharding.with_shardings(abstract, params_sharding)
+    return checkpoint.restore_params(self.pretrained.path, abstract)
 
   # ------------------------------------------------------------------------ steps
   def train_step(self, state_sharding: Any) -> Callable:

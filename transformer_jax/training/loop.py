@@ -154,6 +154,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     state = state_from_checkpoint(restored.arrays)
     batches.set_state(restored.data_state)
     print(f"resumed from step {restored.step}")
+  elif experiment.pretrained:     # Fine-tuning: the pretrained weights, a fresh optimizer.
+    state = state.replace(params=experiment.initial_params(state_sharding.params))
+    print(f"initialised from {experiment.pretrained.path} (step {experiment.pretrained.step})")
   start_step = int(state.step)
   _write_run_files(workdir, experiment.resolved_config())
 
