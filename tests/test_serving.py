@@ -159,11 +159,12 @@ sys.meta_path.insert(0, Refuse())
 
 def test_export_and_load_round_trip_in_a_fresh_process_without_flax(workdirs, artifacts,
                                                                       tmp_path):
-  # Exported by the command line, in its own process.
+  # Exported by the command line, in its own process: for three platforms, from a chosen
+  # step (through an orbax export, the path --step/--average take).
   directory = str(tmp_path / "cli")
   run = subprocess.run([sys.executable, "-m", "transformer_jax.export",
                         f"--workdir={workdirs['tagging']}", "--format=stablehlo",
-                        f"--output={directory}", "--platforms=cpu"],
+                        f"--output={directory}", "--platforms=cpu,cuda,tpu", "--step=20"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": ROOT})
   assert run.returncode == 0, run.stderr
@@ -188,6 +189,8 @@ print(json.dumps({{"outputs": outputs, "heavy": heavy}}))
   assert child.returncode == 0, child.stderr
   result = json.loads(child.stdout.strip().splitlines()[-1])
   assert result["heavy"] == []
+  manifest = json.load(open(os.path.join(directory, "manifest.json")))
+  assert manifest["platforms"] == ["cpu", "cuda", "tpu"] and manifest["source"]["step"] == 20
   assert result["outputs"] == _served(artifacts["tagging"]).predict(lines)
 
 

@@ -24,8 +24,8 @@ from typing import Any, NamedTuple, Protocol, Sequence
 import grain
 import numpy as np
 
-# Shared with the flax-free serving loader, which buckets lines the same way.
-from transformer_jax.inputs import bucket_lengths  # noqa: F401  (re-exported)
+# In inputs.py, shared with the flax-free serving loader, which buckets lines the same way.
+from transformer_jax.inputs import bucket_lengths
 
 TOO_LONG_POLICIES = ("drop", "truncate")
 
