@@ -244,9 +244,9 @@ def _shrink(config, steps: int, **data):
   return config
 
 
-def test_classification_on_tsv_files_trains_and_predicts(tmp_path):
+def sentiment_corpus(folder) -> None:
+  """train.tsv.gz and dev.tsv: one word (dull/bad or fine/good) decides the label."""
   rng = np.random.default_rng(0)
-  rows = {}
   for split, count in (("train", 200), ("dev", 30)):
     lines = ["sentence\tlabel"]
     for _ in range(count):
@@ -254,8 +254,23 @@ def test_classification_on_tsv_files_trains_and_predicts(tmp_path):
       words = list(rng.choice(["a", "film", "the", "plot", "is"], 3)) + [
           ["dull", "bad"][rng.integers(0, 2)] if label == 0 else ["fine", "good"][rng.integers(0, 2)]]
       lines.append(" ".join(rng.permutation(words)) + " \t" + str(label))
-    rows[split] = lines
-    write(tmp_path / f"{split}.tsv", lines, gz=split == "train")
+    write(folder / f"{split}.tsv", lines, gz=split == "train")
+
+
+def entity_corpus(folder) -> None:
+  """train.txt and dev.txt.gz in CoNLL format: "<name> visited <place> ." sentences."""
+  rng = np.random.default_rng(1)
+  names, places = ["Smith", "Jones", "Brown"], ["Paris", "Rome", "Oslo"]
+  for split, count in (("train", 150), ("dev", 20)):
+    lines = []
+    for _ in range(count):
+      lines += [f"{rng.choice(names)} NNP B-PER", "visited VBD O",
+                f"{rng.choice(places)} NNP B-LOC", ". . O", ""]
+    write(folder / f"{split}.txt", lines, gz=split == "dev")
+
+
+def test_classification_on_tsv_files_trains_and_predicts(tmp_path):
+  sentiment_corpus(tmp_path)
   workdir = str(tmp_path / "run")
   final = loop.train_and_evaluate(_shrink(sst2.get_config(), 40, dir=str(tmp_path)), workdir)
   assert set(final) == {"eval/loss", "eval/accuracy"}
@@ -270,14 +285,7 @@ def test_classification_on_tsv_files_trains_and_predicts(tmp_path):
 
 
 def test_tagging_on_conll_files_trains_predicts_and_scores_entities(tmp_path):
-  rng = np.random.default_rng(1)
-  names, places = ["Smith", "Jones", "Brown"], ["Paris", "Rome", "Oslo"]
-  for split, count in (("train", 150), ("dev", 20)):
-    lines = []
-    for _ in range(count):
-      lines += [f"{rng.choice(names)} NNP B-PER", "visited VBD O",
-                f"{rng.choice(places)} NNP B-LOC", ". . O", ""]
-    write(tmp_path / f"{split}.txt", lines, gz=split == "dev")
+  entity_corpus(tmp_path)
   workdir = str(tmp_path / "run")
   final = loop.train_and_evaluate(_shrink(conll2003.get_config(), 40, dir=str(tmp_path)),
                                   workdir)

@@ -1,10 +1,37 @@
-"""transformer_jax: the Transformer of "Attention Is All You Need" in JAX and Flax."""
+"""transformer_jax: the Transformer of "Attention Is All You Need" in JAX and Flax.
+
+The Flax-backed names (the models, count_params) are imported on first use (PEP 562), so
+that importing a submodule such as `transformer_jax.serving` does not import Flax: a served
+model needs only jax, numpy and sentencepiece.
+"""
+
+import importlib
+from typing import Any
 
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TransformerConfig
 from transformer_jax.inputs import InputError, check_inputs, check_token_ids
-from transformer_jax.modules.models import (Decoder, Encoder, EncoderClassifier,
-                                            TokenClassifier, Transformer)
-from transformer_jax.params import count_params
+
+_LAZY = {
+    "Transformer": "transformer_jax.modules.models",
+    "Encoder": "transformer_jax.modules.models",
+    "Decoder": "transformer_jax.modules.models",
+    "EncoderClassifier": "transformer_jax.modules.models",
+    "TokenClassifier": "transformer_jax.modules.models",
+    "count_params": "transformer_jax.params",
+}
+
+
+def __getattr__(name: str) -> Any:
+  if name in _LAZY:
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value   # Later lookups skip this function.
+    return value
+  raise AttributeError(f"module 'transformer_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "TransformerConfig", "Transformer", "Encoder", "Decoder", "EncoderClassifier",

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig
+# Shared with the flax-free serving loader; re-exported here, where decoding callers look.
+from transformer_jax.data.vocab import strip_special  # noqa: F401
 from transformer_jax.modules.models import Transformer
 
 Array = jax.Array
@@ -210,12 +212,17 @@ def compiled_search(config: TransformerConfig, beam_size: int, alpha: float,
                     max_length: int, use_cache: bool = True) -> Callable:
   """jax.jit of `(params, src) -> outputs`: greedy for beam_size 1, else beam search."""
   model = Transformer(config)
+  return jax.jit(lambda params, src: search(model, params, src, max_length, beam_size, alpha,
+                                            use_cache))
+
+
+def search(model: Transformer, params: Any, src: Array, max_length: Any, beam_size: int = 4,
+           alpha: float = 0.6, use_cache: bool = True) -> Array:
+  """(B, S) -> the best outputs (B, max_length): greedy for beam_size 1, else beam search.
+  Traceable with symbolic B, S and max_length (jax.export)."""
   if beam_size == 1:
-    fn = lambda params, src: greedy_search(model, params, src, max_length, use_cache)
-  else:
-    fn = lambda params, src: beam_search(model, params, src, max_length, beam_size, alpha,
-                                         use_cache)[0]
-  return jax.jit(fn)
+    return greedy_search(model, params, src, max_length, use_cache)
+  return beam_search(model, params, src, max_length, beam_size, alpha, use_cache)[0]
 
 
 def generate(config: TransformerConfig, params: Any, src: Any, *, max_length: int,
@@ -228,14 +235,3 @@ def generate(config: TransformerConfig, params: Any, src: Any, *, max_length: in
     raise ValueError(f"beam_size={beam_size}: must be >= 1")
   fn = compiled_search(config, int(beam_size), float(alpha), int(max_length), bool(use_cache))
   return np.asarray(fn(params, jnp.asarray(src, jnp.int32)))
-
-
-def strip_special(ids: Any) -> list[int]:
-  """Token ids up to (not including) the first EOS, without padding."""
-  out = []
-  for token in np.asarray(ids).tolist():
-    if token == EOS_ID:
-      break
-    if token != PAD_ID:
-      out.append(token)
-  return out

@@ -7,12 +7,23 @@ as a params-only checkpoint with the run's config and tokenizer:
 
 It is written to W/exports/step_<S>[_avg<N>]/ (or --output), loads without the optimizer
 state or the workdir, and `predict` prefers it to the checkpoint of the same step.
+
+With --format=stablehlo it writes a served model instead (transformer_jax/serving.py): the
+whole inference function as a serialized `jax.export.Exported` with symbolic batch and
+length, the parameters as arrays beside it, tokenizer files, labels and a manifest:
+
+  python -m transformer_jax.export --workdir W --format=stablehlo --output DIR
+      [--platforms=cpu,cuda,tpu] [--beam_size 4]
+
+It uses the model predict would (the newest export or checkpoint), or the --step/--average
+selection; load it with `Served.load(DIR)` or serve it with `python -m transformer_jax.serve`.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 from absl import app, flags, logging
 
@@ -30,7 +41,43 @@ def define_flags() -> None:
   flags.DEFINE_string("step", "latest", "Checkpoint step, 'latest' or 'best' (the best by "
                       "config.best_checkpoint_metric; needs keep_best_checkpoints).")
   flags.DEFINE_string("output", None, "Output directory; default "
-                      "W/exports/step_<S>[_avg<N>].")
+                      "W/exports/step_<S>[_avg<N>] (orbax) or W/serving/step_<S>[_avg<N>] "
+                      "(stablehlo).")
+  flags.DEFINE_enum("format", "orbax", ["orbax", "stablehlo"], "orbax: a params-only "
+                    "checkpoint for predict; stablehlo: a served model (jax.export).")
+  flags.DEFINE_list("platforms", None, "stablehlo: platforms to export for (cpu, cuda, "
+                    "rocm, tpu); default: this machine's.")
+  flags.DEFINE_integer("beam_size", None, "stablehlo, translation: beam size baked into the "
+                       "artifact (1 = greedy); default: the run's decode.beam_size.")
+
+
+def _fail(message: str) -> None:
+  """A user error: one line on stderr, exit status 2."""
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def export_stablehlo(workdir: str, steps: list[int] | None, output: str | None,
+                     platforms: list[str] | None, beam_size: int | None) -> str:
+  """Writes the served model of `workdir` (the newest model, or the average of `steps`) to
+  `output` (default W/serving/<name>); returns the directory."""
+  from transformer_jax import serving
+  from transformer_jax.predict import Predictor
+  with tempfile.TemporaryDirectory() as tmp:
+    if steps is None:
+      predictor = Predictor(workdir)
+    else:   # The selection is an orbax export first: the one place that averages.
+      directory = os.path.join(workdir, checkpoint.CHECKPOINT_DIR)
+      predictor = Predictor(checkpoint_path=checkpoint.export(directory, steps,
+                                                              os.path.join(tmp, "export")))
+    name = f"step_{predictor.step}" + (f"_avg{len(steps)}" if steps and len(steps) > 1 else "")
+    output = output or os.path.join(workdir, "serving", name)
+    decode = predictor.decode_options(beam_size=beam_size)
+    serving.write_artifact(predictor.task, predictor.params, decode, output,
+                           platforms=platforms,
+                           source={"workdir": os.path.abspath(workdir), "step": predictor.step,
+                                   "model": os.path.abspath(predictor.path)})
+  return output
 
 
 def main(argv):
@@ -39,17 +86,24 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   directory = os.path.join(FLAGS.workdir, checkpoint.CHECKPOINT_DIR)
   if not os.path.isdir(directory):
-    sys.exit(f"error: {directory} does not exist; train first with "
-             f"`python train.py --workdir {FLAGS.workdir}`")
+    _fail(f"{directory} does not exist; train first with "
+          f"`python train.py --workdir {FLAGS.workdir}`")
   steps = checkpoint.checkpoint_steps(directory)
   try:
     chosen = checkpoint.select_steps(steps, FLAGS.step, FLAGS.average,
                                      checkpoint.best_step(directory))
+    if FLAGS.format == "stablehlo":
+      default = FLAGS.step == "latest" and FLAGS.average == 1   # the model predict uses
+      path = export_stablehlo(FLAGS.workdir, None if default else chosen, FLAGS.output,
+                              FLAGS.platforms, FLAGS.beam_size)
+      print(f"exported the served model (jax.export, StableHLO) to {path}")
+      return
     name = f"step_{chosen[-1]}" + (f"_avg{len(chosen)}" if len(chosen) > 1 else "")
     output = FLAGS.output or os.path.join(FLAGS.workdir, checkpoint.EXPORT_DIR, name)
     path = checkpoint.export(directory, chosen, output)
-  except (ValueError, FileExistsError, checkpoint.DamagedCheckpointError) as e:
-    sys.exit(f"error: {e}")
+  except (ValueError, FileExistsError, FileNotFoundError,
+          checkpoint.DamagedCheckpointError) as e:
+    _fail(str(e))
   print(f"exported the parameters of steps {chosen} to {path}")
 
 

@@ -48,3 +48,13 @@ def check_inputs(config: TransformerConfig, src: Any,
       raise InputError(f"source and target batch sizes differ: {src.shape[0]} vs "
                        f"{tgt.shape[0]}")
   return src, tgt
+
+
+def bucket_lengths(max_length: int, smallest: int = 16) -> list[int]:
+  """Powers of two from `smallest` below `max_length`, then `max_length` itself: the padded
+  lengths of evaluation, predict and serving batches (each compiles once)."""
+  out, length = [], smallest
+  while length < max_length:
+    out.append(length)
+    length *= 2
+  return out + [max_length]

@@ -24,6 +24,9 @@ from typing import Any, NamedTuple, Protocol, Sequence
 import grain
 import numpy as np
 
+# In inputs.py, shared with the flax-free serving loader, which buckets lines the same way.
+from transformer_jax.inputs import bucket_lengths
+
 TOO_LONG_POLICIES = ("drop", "truncate")
 
 Example = dict[str, np.ndarray]
@@ -191,15 +194,6 @@ class EvalBatch(NamedTuple):
   """A static-shape batch and the records of its real rows (rows past them are padding)."""
   arrays: dict[str, np.ndarray]
   records: list[dict]
-
-
-def bucket_lengths(max_length: int, smallest: int = 16) -> list[int]:
-  """Powers of two from `smallest` below `max_length`, then `max_length` itself."""
-  out, length = [], smallest
-  while length < max_length:
-    out.append(length)
-    length *= 2
-  return out + [max_length]
 
 
 def eval_batches(records: Sequence[dict], task: Featurizing, *, batch_size: int,

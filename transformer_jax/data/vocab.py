@@ -7,12 +7,25 @@ interface of the SentencePiece tokenizer: encode, decode, vocab_size, save, load
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from typing import Any, Sequence
+
+import numpy as np
 
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
 assert (PAD_ID, BOS_ID, EOS_ID, UNK_ID) == (0, 1, 2, 3)
+
+
+def strip_special(ids: Any) -> list[int]:
+  """Token ids up to (not including) the first EOS, without padding."""
+  out = []
+  for token in np.asarray(ids).tolist():
+    if token == EOS_ID:
+      break
+    if token != PAD_ID:
+      out.append(token)
+  return out
 
 
 class UnknownSymbolError(ValueError):

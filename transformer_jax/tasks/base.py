@@ -196,6 +196,19 @@ class Task(abc.ABC):
                 train: bool) -> dict[str, jax.Array]:
     ...
 
+  # --------------------------------------------------------------------- serving
+  # How the flax-free loader (transformer_jax/serving.py) turns the exported function's
+  # output into text: "token_ids" (B, T) detokenized, "class_scores" (B, C) -> a label name,
+  # "tag_scores" (B, S, L) log-probabilities -> a tag per token (BIO Viterbi on the host).
+  serving_output: ClassVar[str]
+
+  @abc.abstractmethod
+  def serving_function(self, decode: DecodeOptions) -> Callable[[Any, jax.Array], jax.Array]:
+    """The pure inference function that `export --format=stablehlo` serializes:
+    (params, tokens (B, S) int32, right-padded with PAD) -> the `serving_output` array.
+    It must trace with symbolic B and S, and give what `predict` gives for a batch of
+    the same padded length."""
+
   # ------------------------------------------------------------------ evaluation
   @abc.abstractmethod
   def evaluate(self, params: Any, batches: Sequence[EvalBatch], eval_step: EvalStep,

@@ -40,6 +40,7 @@ class ClassificationTask(EncoderTask):
   tokenizer_kinds = ("sentencepiece", "words")
   head_options = {"pooling": "mean"}    # mean | max | first (EncoderClassifier)
   needs_labels = True
+  serving_output = "class_scores"
 
   # ---------------------------------------------------------------------- data
   @classmethod
@@ -94,6 +95,14 @@ class ClassificationTask(EncoderTask):
   def build_model(self, model_config: TransformerConfig) -> EncoderClassifier:
     return EncoderClassifier(model_config, num_classes=len(self.labels),
                              pooling=self.head["pooling"])
+
+  def _serving_batch(self, tokens: jax.Array) -> dict[str, jax.Array]:
+    # One label slot per row, as in predict's batches (it sets the model's num_segments).
+    return {**super()._serving_batch(tokens),
+            "labels": jnp.zeros((tokens.shape[0], 1), jnp.int32)}
+
+  def _serving_scores(self, logits: jax.Array) -> jax.Array:
+    return logits[:, 0]                      # (B, C): the row's one sequence
 
   def _extra_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
     return {"num_segments": batch["labels"].shape[1]}

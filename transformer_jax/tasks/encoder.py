@@ -3,12 +3,14 @@ example, packed rows with positions and segment ids, logits from the encoder's h
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.config import PAD_ID
+from transformer_jax.run_config import DecodeOptions
 from transformer_jax.tasks.base import Batch, Task, padded_getter
 
 
@@ -45,3 +47,19 @@ class EncoderTask(Task):
 
   def _extra_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
     return {}
+
+  def serving_function(self, decode: DecodeOptions) -> Callable[[Any, jax.Array], jax.Array]:
+    def scores(params: Any, tokens: jax.Array) -> jax.Array:
+      return self._serving_scores(self.logits(params, self._serving_batch(tokens), None, False))
+    return scores
+
+  def _serving_batch(self, tokens: jax.Array) -> dict[str, jax.Array]:
+    """One sequence per row, with the positions and segment ids the packer writes for it
+    (padding: position 0, segment 0)."""
+    real = tokens != PAD_ID
+    positions = jnp.where(real, jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], 0)
+    return {"tokens": tokens, "positions": positions, "segment_ids": real.astype(jnp.int32)}
+
+  def _serving_scores(self, logits: jax.Array) -> jax.Array:
+    """The exported output from the model's logits."""
+    raise NotImplementedError

@@ -35,12 +35,13 @@ class TaggingTask(EncoderTask):
   metric_names = ("loss", "accuracy", "precision", "recall", "f1")
   tokenizer_kinds = ("words",)   # tags align to words
   needs_labels = True
+  serving_output = "tag_scores"
 
   def __init__(self, *args: Any, **kwargs: Any):
     super().__init__(*args, **kwargs)
     self._transitions = bio.allowed_transitions(self.labels)
-    self._log_probs = jax.jit(lambda params, batch: jax.nn.log_softmax(
-        self.logits(params, batch, None, False).astype(jnp.float32), -1))
+    self._log_probs = jax.jit(lambda params, batch: self._serving_scores(
+        self.logits(params, batch, None, False)))
 
   # ---------------------------------------------------------------------- data
   @classmethod
@@ -98,6 +99,10 @@ class TaggingTask(EncoderTask):
   # --------------------------------------------------------------------- model
   def build_model(self, model_config: TransformerConfig) -> TokenClassifier:
     return TokenClassifier(model_config, num_labels=len(self.labels))
+
+  def _serving_scores(self, logits: jax.Array) -> jax.Array:
+    """Per-token log-probabilities (B, S, L): what the BIO Viterbi decode reads."""
+    return jax.nn.log_softmax(logits.astype(jnp.float32), -1)
 
   def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
                 train: bool) -> dict[str, jax.Array]:

@@ -34,6 +34,7 @@ class TranslationTask(Task):
   tokenizer_kinds = ("sentencepiece",)   # outputs are detokenized text
   model_inputs = 2
   has_target_text = True
+  serving_output = "token_ids"
   _OPTIONAL = ("src_positions", "tgt_positions", "src_segment_ids", "tgt_segment_ids")
 
   # ---------------------------------------------------------------------- data
@@ -104,11 +105,23 @@ class TranslationTask(Task):
               decode: DecodeOptions) -> list[str]:
     """Detokenized outputs for every row (beam_size 1: greedy). An output may be
     `max_extra_length` tokens longer than the batch's target width, within max_len."""
-    cfg = self.model_config
-    max_length = min(batch["tgt_in"].shape[1] + decode.max_extra_length, cfg.max_len)
-    out = decoding.generate(cfg, params, batch["src"], beam_size=decode.beam_size,
-                            alpha=decode.alpha, max_length=max_length)
+    out = decoding.generate(self.model_config, params, batch["src"],
+                            beam_size=decode.beam_size, alpha=decode.alpha,
+                            max_length=self._output_length(batch["tgt_in"].shape[1], decode))
     return [self.target_tokenizer.decode(decoding.strip_special(row)) for row in out]
+
+  def _output_length(self, width: Any, decode: DecodeOptions) -> Any:
+    """`max_extra_length` tokens longer than the padded batch width, within max_len
+    (`width` may be a symbolic dimension, in an exported function)."""
+    return jax.core.min_dim(width + decode.max_extra_length, self.model_config.max_len)
+
+  def serving_function(self, decode: DecodeOptions) -> Callable[[Any, jax.Array], jax.Array]:
+    """Encode and search (beam, or greedy for beam_size 1) in one function: (B, S) source
+    ids -> (B, T) output ids, T = the output length predict uses for width S."""
+    def translate(params: Any, src: jax.Array) -> jax.Array:
+      return decoding.search(self.model, params, src, self._output_length(src.shape[1], decode),
+                             decode.beam_size, decode.alpha)
+    return translate
 
   def evaluate(self, params: Any, batches: Sequence[EvalBatch], eval_step: EvalStep,
                decode: DecodeOptions) -> tuple[dict[str, float], Samples]:

@@ -1,0 +1,180 @@
+"""Load on the HTTP server (transformer_jax/serve.py): requests/s and latency percentiles
+from concurrent clients, every answer checked against the artifact's own outputs.
+
+  python -m benchmarks.serve_load --model=DIR --inputs=FILE [--requests=200] [--clients=8]
+      [--lines_per_request=1] [--max_batch=32] [--max_wait_ms=5] [--json]
+
+Starts the server on 127.0.0.1 (a free port) as a subprocess, computes the expected output
+of every input line in this process with `Served` (the same artifact), sends untimed
+warm-up requests (one per request shape, so compilation is not timed), then `requests`
+POST /v1/predict from `clients` threads, each with `lines_per_request` lines of FILE in turn.
+Latency is per request, from sending to the parsed answer; requests/s is requests over the
+wall time of the timed loop. Loops are bounded in count and in time (--time_limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import http.client
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Sequence
+from urllib.parse import urlparse
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _client(url: str) -> http.client.HTTPConnection:
+  parsed = urlparse(url)
+  return http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=120)
+
+
+def _post(connection: http.client.HTTPConnection, lines: Sequence[str]) -> tuple[int, Any]:
+  body = json.dumps({"inputs": list(lines)}).encode()
+  connection.request("POST", "/v1/predict", body, {"Content-Type": "application/json"})
+  response = connection.getresponse()
+  return response.status, json.loads(response.read())
+
+
+def run_load(url: str, requests_lines: Sequence[Sequence[str]], expected: dict[str, str], *,
+             requests: int = 200, clients: int = 8, time_limit: float = 300.0) -> dict[str, Any]:
+  """Sends `requests` requests (request i holds requests_lines[i % len]) from `clients`
+  threads, each on its own keep-alive connection; stops early past `time_limit` seconds.
+  Returns counts, wrong answers (an output differing from `expected[line]`), errors, and
+  requests/s and latency percentiles in ms."""
+  counter = iter(range(requests))
+  lock = threading.Lock()
+  latencies: list[float] = []
+  errors: list[str] = []
+  wrong = 0
+  deadline = time.monotonic() + time_limit
+
+  def worker() -> None:
+    nonlocal wrong
+    connection = _client(url)
+    try:
+      while time.monotonic() < deadline:
+        with lock:
+          index = next(counter, None)
+        if index is None:
+          return
+        lines = requests_lines[index % len(requests_lines)]
+        start = time.perf_counter()
+        try:
+          status, answer = _post(connection, lines)
+        except (OSError, http.client.HTTPException, ValueError) as e:
+          with lock:
+            errors.append(f"request {index}: {type(e).__name__}: {e}")
+          connection.close()
+          connection = _client(url)
+          continue
+        elapsed = time.perf_counter() - start
+        with lock:
+          if status != 200:
+            errors.append(f"request {index}: {status} {answer}")
+          else:
+            latencies.append(elapsed)
+            wrong += answer["outputs"] != [expected[line] for line in lines]
+    finally:
+      connection.close()
+
+  start = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+    for future in [pool.submit(worker) for _ in range(clients)]:
+      future.result()
+  wall = time.perf_counter() - start
+  latencies.sort()
+
+  def percentile(q: float) -> float:
+    return 1000 * latencies[min(int(q * len(latencies)), len(latencies) - 1)] if latencies else 0.0
+  return {"requests": len(latencies) + len(errors), "ok": len(latencies), "wrong": wrong,
+          "errors": errors[:10], "clients": clients, "wall_s": wall,
+          "requests_per_s": len(latencies) / wall if wall else 0.0,
+          "p50_ms": percentile(0.50), "p99_ms": percentile(0.99)}
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def start_server(model: str, max_batch: int, max_wait_ms: float,
+                 timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
+  """serve.py on a free port of 127.0.0.1; returns it once /healthz answers."""
+  port = _free_port()
+  process = subprocess.Popen(
+      [sys.executable, "-m", "transformer_jax.serve", f"--model={model}", "--host=127.0.0.1",
+       f"--port={port}", f"--max_batch={max_batch}", f"--max_wait_ms={max_wait_ms}"],
+      cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True)
+  url = f"http://127.0.0.1:{port}"
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline and process.poll() is None:
+    try:
+      connection = _client(url)
+      connection.request("GET", "/healthz")
+      if connection.getresponse().status == 200:
+        return process, url
+    except OSError:
+      time.sleep(0.5)
+  process.kill()
+  raise RuntimeError(f"the server did not start: {process.communicate()[0]}")
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--model", required=True, help="artifact directory")
+  parser.add_argument("--inputs", required=True, help="input lines, one per line")
+  parser.add_argument("--requests", type=int, default=200)
+  parser.add_argument("--clients", type=int, default=8)
+  parser.add_argument("--lines_per_request", type=int, default=1)
+  parser.add_argument("--max_batch", type=int, default=32)
+  parser.add_argument("--max_wait_ms", type=float, default=5.0)
+  parser.add_argument("--time_limit", type=float, default=600.0)
+  parser.add_argument("--json", action="store_true")
+  args = parser.parse_args(argv)
+  if min(args.requests, args.clients, args.lines_per_request) < 1:
+    parser.error("--requests, --clients and --lines_per_request must be >= 1")
+  from transformer_jax.serving import Served
+  with open(args.inputs) as f:
+    lines = [line.rstrip("\n") for line in f]
+  if not lines:
+    parser.error(f"{args.inputs} has no lines")
+  n = args.lines_per_request
+  requests_lines = [[lines[(i + j) % len(lines)] for j in range(n)] for i in range(len(lines))]
+  expected = dict(zip(lines, Served.load(args.model).predict(lines)))
+  process, url = start_server(args.model, args.max_batch, args.max_wait_ms)
+  try:
+    # Warm-up, untimed: every request shape compiles once, alone and batched by 8 clients.
+    run_load(url, requests_lines, expected, requests=len(requests_lines), clients=1)
+    run_load(url, requests_lines, expected, requests=4 * len(requests_lines), clients=8)
+    report = run_load(url, requests_lines, expected, requests=args.requests,
+                      clients=args.clients, time_limit=args.time_limit)
+  finally:
+    process.terminate()
+    process.wait(timeout=60)
+  report.update(date=datetime.date.today().isoformat(), machine=platform.platform(),
+                cpus=os.cpu_count(), lines_per_request=n, max_batch=args.max_batch,
+                max_wait_ms=args.max_wait_ms, model=args.model)
+  if args.json:
+    print(json.dumps(report))
+  else:
+    print(f"{report['ok']}/{args.requests} requests ok, {report['wrong']} wrong, "
+          f"{len(report['errors'])} errors; {args.clients} clients, {n} line(s) each: "
+          f"{report['requests_per_s']:.1f} requests/s, p50 {report['p50_ms']:.1f} ms, "
+          f"p99 {report['p99_ms']:.1f} ms")
+  if report["wrong"] or report["errors"]:
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  main()

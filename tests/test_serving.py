@@ -1,0 +1,261 @@
+"""Served models (transformer_jax/serving.py, serve.py): the StableHLO artifact of each task
+kind gives predict's outputs (the same translations token for token, the same labels and
+tags), serves any batch and length from one export, loads in a fresh process where Flax
+cannot be imported, and the HTTP server answers good input, refuses bad input with 400 and
+a JSON error, and stays correct under concurrent load."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+import pytest
+
+from cli_helpers import ROOT
+from transformer_jax.inputs import InputError
+
+KINDS = ("seq2seq", "classification", "tagging")
+# Inputs per task kind: varied lengths, an empty line, words outside the training data.
+LINES = {
+    "seq2seq": ["eins zwei", "", "neun acht sieben", "drei", "vier fünf sechs sieben acht",
+                "null null", "zwei drei vier"],
+    "classification": ["the film is good", "a dull plot", "", "bad", "the plot is fine film",
+                       "good good dull", "is"],
+    "tagging": ["Jones visited Oslo .", "", "Brown visited", "Smith visited Rome . Jones",
+                "Paris", "Unknown visited Nowhere .", "Oslo Oslo Oslo"],
+}
+
+
+def train_workdir(kind: str, folder: str) -> str:
+  """A tiny trained run of `kind` in folder/run (seconds of training on local files)."""
+  import pathlib
+  from configs import conll2003, sst2
+  from test_tasks import (_number_corpus, _shrink, _tiny_seq2seq_config, entity_corpus,
+                          sentiment_corpus)
+  from transformer_jax.training import loop
+  folder = pathlib.Path(folder)
+  workdir = str(folder / "run")
+  if kind == "seq2seq":
+    config = _tiny_seq2seq_config(_number_corpus(folder / "data"), 80)
+  else:
+    (folder / "data").mkdir()
+    (sentiment_corpus if kind == "classification" else entity_corpus)(folder / "data")
+    config = _shrink((sst2 if kind == "classification" else conll2003).get_config(), 20,
+                     dir=str(folder / "data"))
+  loop.train_and_evaluate(config, workdir)
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def workdirs(tmp_path_factory) -> dict[str, str]:
+  return {kind: train_workdir(kind, str(tmp_path_factory.mktemp(kind))) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def artifacts(workdirs, tmp_path_factory) -> dict[str, str]:
+  """Each workdir exported with the export command (default decode options)."""
+  from transformer_jax.export import export_stablehlo
+  out = tmp_path_factory.mktemp("artifacts")
+  return {kind: export_stablehlo(workdir, None, str(out / kind), None, None)
+          for kind, workdir in workdirs.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _served(directory: str):
+  from transformer_jax.serving import Served
+  return Served.load(directory)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_artifact_outputs_equal_predict(kind, workdirs, artifacts):
+  from transformer_jax.predict import Predictor
+  predictor = Predictor(workdirs[kind])
+  served = _served(artifacts[kind])
+  lines = LINES[kind]
+  expected = predictor.predict_lines(lines)
+  assert served.predict(lines) == expected
+  if kind == "seq2seq":   # Token for token, not only the same text.
+    tokens = [predictor.task.target_tokenizer.encode(t) for t in expected]
+    assert [served.target_tokenizer.encode(t) for t in served.predict(lines)] == tokens
+  assert served.manifest["task"] == predictor.task.name
+  assert served.labels == predictor.labels
+
+
+def test_greedy_artifact_equals_greedy_predict(workdirs, tmp_path):
+  from transformer_jax.export import export_stablehlo
+  from transformer_jax.predict import Predictor
+  from transformer_jax.serving import Served
+  directory = export_stablehlo(workdirs["seq2seq"], None, str(tmp_path / "greedy"), None, 1)
+  served = Served.load(directory)
+  predictor = Predictor(workdirs["seq2seq"])
+  assert served.manifest["decode"]["beam_size"] == 1
+  lines = LINES["seq2seq"][:3]
+  assert served.predict(lines) == predictor.predict_lines(
+      lines, predictor.decode_options(beam_size=1))
+
+
+def test_one_artifact_serves_any_batch_and_length(artifacts):
+  """Rows are independent: every row of a (B, S) call equals the row alone, for B in
+  1, 7, 32 and S from 3 to max_len, without re-exporting."""
+  served = _served(artifacts["classification"])
+  rng = np.random.default_rng(0)
+  vocab = served.manifest["vocab_size"]
+  for batch, length in ((1, 3), (7, 16), (32, 9), (7, served.max_len)):
+    tokens = rng.integers(4, vocab, (batch, length)).astype(np.int32)
+    out = served.run(tokens)
+    assert out.shape == (batch, len(served.labels))
+    for row in (0, batch - 1):
+      np.testing.assert_allclose(out[row], served.run(tokens[row:row + 1])[0],
+                                 rtol=1e-5, atol=1e-6)
+  translation = _served(artifacts["seq2seq"])
+  lines = [" ".join(["eins", "zwei", "drei"][: 1 + i % 3]) for i in range(32)]
+  outputs = {n: translation.predict(lines[:n]) for n in (1, 7, 32)}
+  assert outputs[32][:7] == outputs[7] and outputs[7][:1] == outputs[1]
+  spec = json.load(open(os.path.join(artifacts["seq2seq"], "manifest.json")))
+  assert spec["inputs"]["tokens"]["shape"] == ["batch", "length"]
+  assert spec["output_shape"][0] == "batch" and "length" in spec["output_shape"][1]
+
+
+def test_inputs_are_checked_before_the_model(artifacts):
+  served = _served(artifacts["tagging"])
+  with pytest.raises(InputError, match="input 1: expected a string"):
+    served.predict(["Jones", 7])
+  with pytest.raises(InputError, match="exceed the model's max_len"):
+    served.predict(["Jones", " ".join(["x"] * (served.max_len + 1))])
+
+
+def test_damaged_artifact_is_refused(artifacts, tmp_path):
+  import shutil
+  from transformer_jax.serving import ArtifactError, Served
+  copy = str(tmp_path / "copy")
+  shutil.copytree(artifacts["classification"], copy)
+  with open(os.path.join(copy, "labels.json"), "w") as f:
+    json.dump({"labels": ["x", "y"]}, f)
+  with pytest.raises(ArtifactError, match="labels.json .* SHA-256"):
+    Served.load(copy)
+  with pytest.raises(ArtifactError, match="manifest.json is missing"):
+    Served.load(str(tmp_path))
+
+
+# A fresh interpreter where importing Flax (and the training stack) fails.
+_NO_FLAX = """
+import importlib.abc, sys
+class Refuse(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path=None, target=None):
+    if name.split(".")[0] in ("flax", "optax", "orbax", "grain", "tensorflow_datasets"):
+      raise ImportError(f"{name} is not allowed in the served process")
+    return None
+sys.meta_path.insert(0, Refuse())
+"""
+
+
+def test_export_and_load_round_trip_in_a_fresh_process_without_flax(workdirs, artifacts,
+                                                                      tmp_path):
+  # Exported by the command line, in its own process: for three platforms, from a chosen
+  # step (through an orbax export, the path --step/--average take).
+  directory = str(tmp_path / "cli")
+  run = subprocess.run([sys.executable, "-m", "transformer_jax.export",
+                        f"--workdir={workdirs['tagging']}", "--format=stablehlo",
+                        f"--output={directory}", "--platforms=cpu,cuda,tpu", "--step=20"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+  assert run.returncode == 0, run.stderr
+  lines = LINES["tagging"]
+  script = _NO_FLAX + f"""
+import json
+from transformer_jax.serving import Served
+served = Served.load({directory!r})
+outputs = served.predict({lines!r})
+try:
+  import flax
+except ImportError:
+  pass
+else:
+  raise SystemExit("flax imported")
+heavy = sorted(m for m in sys.modules if m.startswith(("flax", "transformer_jax.modules",
+               "transformer_jax.tasks", "transformer_jax.training", "transformer_jax.decoding")))
+print(json.dumps({{"outputs": outputs, "heavy": heavy}}))
+"""
+  child = subprocess.run([sys.executable, "-c", script], cwd=str(tmp_path), capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+  assert child.returncode == 0, child.stderr
+  result = json.loads(child.stdout.strip().splitlines()[-1])
+  assert result["heavy"] == []
+  manifest = json.load(open(os.path.join(directory, "manifest.json")))
+  assert manifest["platforms"] == ["cpu", "cuda", "tpu"] and manifest["source"]["step"] == 20
+  assert result["outputs"] == _served(artifacts["tagging"]).predict(lines)
+
+
+def test_export_user_errors_exit_2(workdirs, artifacts, tmp_path):
+  common = [sys.executable, "-m", "transformer_jax.export", "--format=stablehlo"]
+  env = {**os.environ, "PYTHONPATH": ROOT}
+  for args, message in (
+      ([f"--workdir={tmp_path / 'none'}", f"--output={tmp_path / 'a'}"], "does not exist"),
+      ([f"--workdir={workdirs['classification']}", f"--output={artifacts['classification']}"],
+       "not empty")):
+    run = subprocess.run(common + args, cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert run.returncode == 2 and message in run.stderr
+    assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------- the server
+@pytest.fixture(scope="module")
+def server(artifacts):
+  """serve.py on 127.0.0.1 (a free port) with the translation artifact."""
+  from benchmarks.serve_load import start_server
+  process, url = start_server(artifacts["seq2seq"], max_batch=8, max_wait_ms=5)
+  yield url
+  process.terminate()
+  process.wait(timeout=60)
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict]:
+  request = urllib.request.Request(url + "/v1/predict", data=body, method="POST",
+                                   headers={"Content-Type": "application/json"})
+  try:
+    with urllib.request.urlopen(request, timeout=120) as response:
+      return response.status, json.loads(response.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+
+
+def test_server_answers_good_input_and_refuses_bad_input(server, artifacts):
+  lines = LINES["seq2seq"][:3]
+  expected = _served(artifacts["seq2seq"]).predict(lines)
+  good = json.dumps({"inputs": lines}).encode()
+  assert _post(server, good) == (200, {"outputs": expected})
+  too_long = " ".join(["eins"] * 200)
+  for body in (json.dumps({"inputs": "eins zwei"}).encode(),     # not a list
+               json.dumps({"inputs": ["eins", 3]}).encode(),     # not a string
+               json.dumps({"text": ["eins"]}).encode(),          # no "inputs"
+               json.dumps({"inputs": [too_long]}).encode(),      # over max_len
+               b"",                                              # empty body
+               b"{not json"):
+    status, answer = _post(server, body)
+    assert status == 400, (body, status, answer)
+    assert isinstance(answer.get("error"), str) and answer["error"]
+  assert _post(server, good) == (200, {"outputs": expected})     # Still serving.
+  with urllib.request.urlopen(server + "/healthz", timeout=30) as response:
+    health = json.loads(response.read())
+  assert health["status"] == "ok" and health["task"] == "seq2seq"
+
+
+def test_server_stays_correct_under_concurrent_load(server, artifacts):
+  """200 requests from 8 clients (bounded in count and time): every answer is the
+  artifact's own output for its inputs, whatever it was batched with."""
+  from benchmarks.serve_load import run_load
+  lines = LINES["seq2seq"]
+  served = _served(artifacts["seq2seq"])
+  expected = dict(zip(lines, served.predict(lines)))
+  report = run_load(server, [[line] for line in lines] + [lines[:3], lines[2:]], expected,
+                    requests=200, clients=8, time_limit=300)
+  assert report["requests"] == 200 and report["errors"] == [] and report["wrong"] == 0
