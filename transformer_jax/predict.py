@@ -26,6 +26,7 @@ from transformer_jax import checkpoint, run_config, tasks
 from transformer_jax.data import pipeline
 from transformer_jax.inputs import InputError
 from transformer_jax.run_config import DecodeOptions
+from transformer_jax.errors import MissingFileError, UserError
 
 
 class Predictor:
@@ -34,16 +35,16 @@ class Predictor:
   def __init__(self, workdir: str | None = None, checkpoint_path: str | None = None):
     if checkpoint_path is not None:
       if not os.path.isdir(checkpoint_path):
-        raise FileNotFoundError(f"checkpoint {checkpoint_path!r} does not exist")
+        raise MissingFileError(f"checkpoint {checkpoint_path!r} does not exist")
       candidates = [checkpoint_path]
     elif workdir is None or not os.path.isdir(workdir):
-      raise FileNotFoundError(f"workdir {workdir!r} does not exist; train first with "
-                              f"`python train.py --workdir {workdir}`")
+      raise MissingFileError(f"workdir {workdir!r} does not exist; train first with "
+                             f"`python train.py --workdir {workdir}`")
     else:
       candidates = checkpoint.models(workdir)
       if not candidates:
-        raise FileNotFoundError(f"workdir {workdir!r} has no checkpoint or export; was "
-                                "training interrupted before the first checkpoint?")
+        raise MissingFileError(f"workdir {workdir!r} has no checkpoint or export; was "
+                               "training interrupted before the first checkpoint?")
     self.path, (model, self.params), _ = checkpoint.first_good(candidates, self._load)
     self.step, self.run_config = model.step, run_config.upgrade(model.config)
     self.task = self._task(model)

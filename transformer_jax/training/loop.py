@@ -22,6 +22,7 @@ from transformer_jax.params import count_params
 from transformer_jax.preemption import PreemptionWatcher
 from transformer_jax.training.experiment import Experiment
 from transformer_jax.training.state import checkpoint_arrays, state_from_checkpoint
+from transformer_jax.errors import MissingFileError, UserError
 
 CONFIG_FILE = "config.json"
 Samples = list[tuple[str, str, str]]
@@ -235,7 +236,7 @@ def evaluate_saved(config: ml_collections.ConfigDict, workdir: str | None,
   abstract, params_sharding = experiment.abstract_params()   # restored straight onto the mesh
   candidates = [path] if path else checkpoint.models(workdir)
   if not candidates:
-    raise FileNotFoundError(f"{workdir} has no checkpoint or export to evaluate")
+    raise MissingFileError(f"{workdir} has no checkpoint or export to evaluate")
 
   def load(candidate: str) -> tuple[checkpoint.Model, Any]:
     model = checkpoint.read_model(candidate)
