@@ -12,11 +12,11 @@ state or the workdir, and `predict` prefers it to the checkpoint of the same ste
 from __future__ import annotations
 
 import os
-import sys
 
 from absl import app, flags, logging
 
-from transformer_jax import checkpoint
+from transformer_jax import checkpoint, errors
+from transformer_jax.errors import MissingFileError, UserError
 
 FLAGS = flags.FLAGS
 
@@ -39,8 +39,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   directory = os.path.join(FLAGS.workdir, checkpoint.CHECKPOINT_DIR)
   if not os.path.isdir(directory):
-    sys.exit(f"error: {directory} does not exist; train first with "
-             f"`python train.py --workdir {FLAGS.workdir}`")
+    raise MissingFileError(f"{directory} does not exist; train first with "
+                           f"`python train.py --workdir {FLAGS.workdir}`")
   steps = checkpoint.checkpoint_steps(directory)
   try:
     chosen = checkpoint.select_steps(steps, FLAGS.step, FLAGS.average,
@@ -48,11 +48,11 @@ def main(argv):
     name = f"step_{chosen[-1]}" + (f"_avg{len(chosen)}" if len(chosen) > 1 else "")
     output = FLAGS.output or os.path.join(FLAGS.workdir, checkpoint.EXPORT_DIR, name)
     path = checkpoint.export(directory, chosen, output)
-  except (ValueError, FileExistsError, checkpoint.DamagedCheckpointError) as e:
-    sys.exit(f"error: {e}")
+  except (ValueError, FileExistsError) as e:   # a --step or --average that cannot be had
+    raise UserError(str(e)) from e
   print(f"exported the parameters of steps {chosen} to {path}")
 
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  errors.run(main)

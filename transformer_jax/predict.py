@@ -18,15 +18,16 @@ import os
 import sys
 from typing import Iterable, TextIO
 
-from absl import app, flags, logging
+from absl import flags, logging
 import flax.linen as nn
 import jax
 
-from transformer_jax import checkpoint, run_config, tasks
+from transformer_jax import checkpoint, errors, run_config, tasks
 from transformer_jax.data import pipeline
 from transformer_jax.inputs import InputError
 from transformer_jax.run_config import DecodeOptions
 from transformer_jax.errors import MissingFileError, UserError
+from transformer_jax.files import atomic_output
 
 
 class Predictor:
@@ -80,19 +81,24 @@ class Predictor:
     return dataclasses.replace(self.decode,
                                **{k: v for k, v in overrides.items() if v is not None})
 
-  def predict_lines(self, lines: list[str], decode: DecodeOptions | None = None) -> list[str]:
+  def predict_lines(self, lines: list[str], decode: DecodeOptions | None = None,
+                    first_line: int = 1) -> list[str]:
     """One output line per input line: a translation, a label, or space-separated tags,
     searched with `decode` (default: the run's decode options). Lines are grouped in
-    length buckets, so each bucket shape compiles once."""
+    length buckets, so each bucket shape compiles once. An unusable line raises InputError
+    naming its number (`first_line` is the number of lines[0])."""
     if not lines:
       return []
     decode = decode or self.decode
     records = [self.task.record_from_line(line) for line in lines]
     max_len = self.model_config.max_len
-    for index, record in enumerate(records):
-      length = self.task.example_length(self.task.featurize(record))
+    for number, record in enumerate(records, first_line):
+      try:
+        length = self.task.example_length(self.task.featurize(record))
+      except UserError as e:   # e.g. a symbol outside the vocabulary
+        raise InputError(f"input line {number}: {e}") from None
       if length > max_len:
-        raise InputError(f"input line {index + 1}: {length} tokens exceed the "
+        raise InputError(f"input line {number}: {length} tokens exceed the "
                          f"model's max_len={max_len}; shorten or split it")
     for index, record in enumerate(records):
       record["index"] = index     # where its output goes once the buckets are decoded
@@ -124,7 +130,7 @@ def predict(workdir: str | None, infile: TextIO, outfile: TextIO, beam_size: int
   decode = predictor.decode_options(beam_size=beam_size, alpha=alpha)
   count = 0
   for batch in _batches(infile, batch_size):
-    for line in predictor.predict_lines(batch, decode):
+    for line in predictor.predict_lines(batch, decode, first_line=count + 1):
       outfile.write(line + "\n")
       count += 1
   outfile.flush()
@@ -150,26 +156,41 @@ def define_flags() -> None:
   flags.DEFINE_integer("batch_size", 64, "Lines decoded together.")
 
 
+def _check_flags() -> None:
+  """The flags, before a model is loaded."""
+  if FLAGS.workdir is None and FLAGS.checkpoint is None:
+    raise UserError("give --workdir (a training workdir) or --checkpoint (an export or "
+                    "checkpoint directory)")
+  for name, low in (("batch_size", 1), ("beam_size", 1), ("alpha", 0)):
+    value = FLAGS[name].value
+    if value is not None and not value >= low:    # `not >=`: NaN fails too
+      raise UserError(f"--{name}={value}: must be >= {low}")
+  if FLAGS.input != "-" and not os.path.isfile(FLAGS.input):
+    raise MissingFileError(f"--input={FLAGS.input}: no such file")
+  if FLAGS.output != "-":
+    directory = os.path.dirname(os.path.abspath(FLAGS.output))
+    if not os.path.isdir(directory):
+      raise MissingFileError(f"--output={FLAGS.output}: directory {directory} does not exist")
+
+
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
   del argv
-  if FLAGS.workdir is None and FLAGS.checkpoint is None:
-    sys.exit("error: give --workdir (a training workdir) or --checkpoint (an export or "
-             "checkpoint directory)")
-  infile = sys.stdin if FLAGS.input == "-" else open(FLAGS.input)
-  outfile = sys.stdout if FLAGS.output == "-" else open(FLAGS.output, "w")
+  _check_flags()
+  # utf-8-sig: a byte-order mark (Windows editors) is not part of the first line.
+  infile = sys.stdin if FLAGS.input == "-" else open(FLAGS.input, encoding="utf-8-sig")
+  args = (FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_size, FLAGS.checkpoint)
   try:
-    predict(FLAGS.workdir, infile, outfile, FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_size,
-            FLAGS.checkpoint)
-  except (FileNotFoundError, ValueError, checkpoint.DamagedCheckpointError) as e:
-    sys.exit(f"error: {e}")  # Bad workdir, checkpoint or input: say what, no trace.
+    if FLAGS.output == "-":
+      predict(FLAGS.workdir, infile, sys.stdout, *args)
+    else:   # Replaced only once every line is predicted: a failure keeps the old results.
+      with atomic_output(FLAGS.output) as outfile:
+        predict(FLAGS.workdir, infile, outfile, *args)
   finally:
     if infile is not sys.stdin:
       infile.close()
-    if outfile is not sys.stdout:
-      outfile.close()
 
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  errors.run(main)

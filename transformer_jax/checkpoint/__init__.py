@@ -17,7 +17,8 @@ exports, averages, and finds the models of a workdir for inference.
 from transformer_jax.checkpoint.exports import (CHECKPOINT_DIR, EXPORT_DIR, Model, best_step,
                                                 checkpoint_steps, export, first_good, models,
                                                 read_model, restore_params, select_steps)
-from transformer_jax.checkpoint.manager import DAMAGED_DIR, Restored, TrainCheckpoints
+from transformer_jax.checkpoint.manager import (DAMAGED_DIR, CheckpointWriteError, Restored,
+                                                TrainCheckpoints, check_writable)
 from transformer_jax.checkpoint.manifest import (DamagedCheckpointError,
                                                  IncompatibleCheckpointError,
                                                  config_differences, describe, signature)
@@ -25,9 +26,11 @@ from transformer_jax.checkpoint.manifest import (DamagedCheckpointError,
 from transformer_jax.data.tokenizer import TextAssets, load_tokenizer_item, tokenizer_item
 
 __all__ = [
-    "CHECKPOINT_DIR", "DAMAGED_DIR", "EXPORT_DIR", "DamagedCheckpointError",
+    "CHECKPOINT_DIR", "CheckpointWriteError", "DAMAGED_DIR", "EXPORT_DIR",
+    "DamagedCheckpointError",
     "IncompatibleCheckpointError", "Model", "Restored", "TextAssets", "TrainCheckpoints",
-    "best_step", "checkpoint_steps", "config_differences", "describe", "export", "first_good",
+    "best_step", "check_writable", "checkpoint_steps", "config_differences", "describe",
+    "export", "first_good",
     "load_tokenizer_item", "models", "read_model", "restore_params", "select_steps",
     "signature", "tokenizer_item",
 ]
