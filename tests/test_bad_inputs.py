@@ -29,7 +29,6 @@ from transformer_jax import errors, export, predict
 from transformer_jax.training import loop
 
 LOCK_FILES = {".lock", ".lock.holder"}
-FLAGS = flags.FLAGS
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -254,22 +253,14 @@ def trained(tmp_path_factory) -> str:
   return workdir
 
 
-def _predict_flags() -> None:
-  if "input" not in FLAGS:
-    predict.define_flags()
-  if "average" not in FLAGS:
-    flags.DEFINE_integer("average", 1, "export's --average")
-    flags.DEFINE_string("step", "latest", "export's --step")
-
-
-def run_main(main: Callable, argv: list[str], capsys) -> tuple[int, list[str]]:
-  _predict_flags()
-  FLAGS.unparse_flags()
-  FLAGS(["prog", *argv])
-  try:
-    return run_user_error(lambda: main(["prog"]), capsys)
-  finally:
-    FLAGS.unparse_flags()
+def run_main(module, argv: list[str], capsys, monkeypatch) -> tuple[int, list[str]]:
+  """module.main run with `argv` parsed into flags of its own (not absl's global ones,
+  which other test modules' commands define too)."""
+  flag_values = flags.FlagValues()
+  module.define_flags(flag_values)
+  flag_values(["prog", *argv])
+  monkeypatch.setattr(module, "FLAGS", flag_values)
+  return run_user_error(lambda: module.main(["prog"]), capsys)
 
 
 PREDICT_CASES = [
@@ -292,7 +283,7 @@ PREDICT_CASES = [
 
 
 @pytest.mark.parametrize("case", PREDICT_CASES, ids=[c[0] for c in PREDICT_CASES])
-def test_predict_refuses_bad_input(case, trained, tmp_path, capsys):
+def test_predict_refuses_bad_input(case, trained, tmp_path, capsys, monkeypatch):
   _, argv, expect = case
   write(tmp_path / "in.txt", "1 2 3\n")
   write(tmp_path / "bad.txt", "1 2\n3 4\n5 x\n")
@@ -300,7 +291,7 @@ def test_predict_refuses_bad_input(case, trained, tmp_path, capsys):
   old_output = write(tmp_path / "out.txt", "previous results\n")
   before = snapshot(trained, str(tmp_path))
   argv = [a.format(w=trained, tmp=tmp_path) for a in argv]
-  status, lines = run_main(predict.main, argv, capsys)
+  status, lines = run_main(predict, argv, capsys, monkeypatch)
   assert status == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
   for fragment in expect:
     assert fragment in lines[0], (fragment, lines[0])
@@ -309,16 +300,15 @@ def test_predict_refuses_bad_input(case, trained, tmp_path, capsys):
     assert f.read() == "previous results\n"    # replaced only by a complete output
 
 
-def test_predict_strips_a_byte_order_mark_and_writes_atomically(trained, tmp_path, capsys):
+def test_predict_strips_a_byte_order_mark_and_writes_atomically(trained, tmp_path,
+                                                                monkeypatch):
   write(tmp_path / "in.txt", "\ufeff1 2 3\n4 5\n")
-  _predict_flags()
-  FLAGS.unparse_flags()
-  FLAGS(["prog", f"--workdir={trained}", f"--input={tmp_path}/in.txt",
-         f"--output={tmp_path}/out.txt"])
-  try:
-    predict.main(["prog"])
-  finally:
-    FLAGS.unparse_flags()
+  flag_values = flags.FlagValues()
+  predict.define_flags(flag_values)
+  flag_values(["prog", f"--workdir={trained}", f"--input={tmp_path}/in.txt",
+               f"--output={tmp_path}/out.txt"])
+  monkeypatch.setattr(predict, "FLAGS", flag_values)
+  predict.main(["prog"])
   assert len((tmp_path / "out.txt").read_text().splitlines()) == 2
   assert sorted(os.listdir(tmp_path)) == ["in.txt", "out.txt"]   # no temporary left
 
@@ -331,13 +321,11 @@ EXPORT_CASES = [
 
 
 @pytest.mark.parametrize("case", EXPORT_CASES, ids=[c[0] for c in EXPORT_CASES])
-def test_export_refuses_bad_input(case, trained, tmp_path, capsys):
+def test_export_refuses_bad_input(case, trained, tmp_path, capsys, monkeypatch):
   _, argv, expect = case
   before = snapshot(trained)
-  if "output" not in FLAGS:
-    flags.DEFINE_string("output", None, "export's --output")
-  status, lines = run_main(export.main, [a.format(w=trained, tmp=tmp_path) for a in argv],
-                           capsys)
+  status, lines = run_main(export, [a.format(w=trained, tmp=tmp_path) for a in argv],
+                           capsys, monkeypatch)
   assert status == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
   for fragment in expect:
     assert fragment in lines[0], (fragment, lines[0])

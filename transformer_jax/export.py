@@ -21,17 +21,17 @@ from transformer_jax.errors import MissingFileError, UserError
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   """The command-line flags, defined only when this module is the program (so that other
-  commands can import it)."""
-  flags.DEFINE_string("workdir", None, "Training workdir.", required=True)
+  commands can import it); tests pass a FlagValues of their own."""
+  define = dict(flag_values=flag_values)
+  flags.DEFINE_string("workdir", None, "Training workdir.", required=True, **define)
   flags.DEFINE_integer("average", 1, "Average the parameters of this many checkpoints: "
-                       "--step and the ones before it.")
+                       "--step and the ones before it.", **define)
   flags.DEFINE_string("step", "latest", "Checkpoint step, 'latest' or 'best' (the best by "
-                      "config.best_checkpoint_metric; needs keep_best_checkpoints).")
+                      "config.best_checkpoint_metric; needs keep_best_checkpoints).", **define)
   flags.DEFINE_string("output", None, "Output directory; default "
-                      "W/exports/step_<S>[_avg<N>].")
-
+                      "W/exports/step_<S>[_avg<N>].", **define)
 
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.

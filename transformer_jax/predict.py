@@ -140,21 +140,22 @@ def predict(workdir: str | None, infile: TextIO, outfile: TextIO, beam_size: int
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   """The command-line flags, defined only when this module is the program (so that other
-  commands can import it)."""
+  commands can import it); tests pass a FlagValues of their own."""
+  define = dict(flag_values=flag_values)
   flags.DEFINE_string("workdir", None, "Training workdir: its newest export or "
-                      "checkpoint is used.")
+                      "checkpoint is used.", **define)
   flags.DEFINE_string("checkpoint", None, "An export (W/exports/NAME) or checkpoint "
-                      "(W/checkpoints/STEP) directory to use instead.")
-  flags.DEFINE_string("input", "-", "Input file, one example per line ('-': stdin).")
-  flags.DEFINE_string("output", "-", "Output file ('-': stdout).")
+                      "(W/checkpoints/STEP) directory to use instead.", **define)
+  flags.DEFINE_string("input", "-", "Input file, one example per line ('-': stdin).",
+                      **define)
+  flags.DEFINE_string("output", "-", "Output file ('-': stdout).", **define)
   flags.DEFINE_integer("beam_size", None, "Beam size (1 = greedy); default: the run's "
-                       "decode.beam_size.")
+                       "decode.beam_size.", **define)
   flags.DEFINE_float("alpha", None, "Length penalty exponent; default: the run's "
-                     "decode.alpha.")
-  flags.DEFINE_integer("batch_size", 64, "Lines decoded together.")
-
+                     "decode.alpha.", **define)
+  flags.DEFINE_integer("batch_size", 64, "Lines decoded together.", **define)
 
 def _check_flags() -> None:
   """The flags, before a model is loaded."""
