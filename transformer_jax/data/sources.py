@@ -51,7 +51,8 @@ def training_width(data: Any) -> int:
 def make_source(task: Any, data: Any, seed: int,
                 workdir: str | None = None) -> SyntheticData | TextData:
   """The data of the config's `data` group for a task class (transformer_jax.tasks). With
-  a workdir, tokenizers are loaded from it or trained and saved there."""
+  a workdir, tokenizers are loaded from it (refused if trained from other data or settings)
+  or trained and saved there."""
   check_data_config(task, data)
   if data.source == "synthetic":
     synthetic = SyntheticData(data.synthetic_task, data.min_length, data.max_length, seed)
@@ -64,4 +65,4 @@ def make_source(task: Any, data: Any, seed: int,
   else:
     from transformer_jax.data.tfds_source import tfds_corpus  # Imports TFDS only if used.
     corpus = tfds_corpus(task, data)
-  return TextData(task, corpus, data, seed, workdir)
+  return TextData(task, corpus, data, seed, workdir, check_identity=True)

@@ -5,9 +5,9 @@ eval_batches).
 Every split is read and checked first. Tokenizers are then trained on the training split at
 the first run and saved in the workdir (`vocab.json`, plus `target_vocab.json` when source
 and target vocabularies are separate) with a record of what they were trained from
-(`tokenizer_identity.json`); a resumed run loads them from there, unless that record
-differs, and `predict` reads the copy in the checkpoint. Class or tag names go to
-`labels.json`. Every file is written atomically.
+(`tokenizer_identity.json`); a resumed run loads them from there (the trainer refuses
+them if that record differs), and `predict` reads the copy in the checkpoint. Class or tag
+names go to `labels.json`. Every file is written atomically.
 """
 
 from __future__ import annotations
@@ -125,17 +125,19 @@ def _check_identity(workdir: str, expected: dict[str, Any]) -> None:
 
 
 def load_or_train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: Any, seed: int,
-                             workdir: str | None) -> tuple[Any, Any, str]:
+                             workdir: str | None,
+                             check_identity: bool = False) -> tuple[Any, Any, str]:
   """(source tokenizer, target tokenizer, what happened). Reuses the workdir's saved
-  tokenizers if they were trained from the same data and settings (refuses them
-  otherwise); else trains on the training split and saves them there with that identity
-  (process 0 trains, the other hosts wait and load)."""
+  tokenizers (with check_identity, only if they were trained from the same data and
+  settings: others are refused); else trains on the training split and saves them there
+  with that identity (process 0 trains, the other hosts wait and load)."""
   paths = None
   if workdir:
     identity = tokenizer_identity(task, corpus, config, seed)
     paths = (os.path.join(workdir, VOCAB_FILE), os.path.join(workdir, TARGET_VOCAB_FILE))
     if os.path.exists(paths[0]):
-      _check_identity(workdir, identity)
+      if check_identity:
+        _check_identity(workdir, identity)
       source = load_tokenizer(paths[0])
       target = load_tokenizer(paths[1]) if os.path.exists(paths[1]) else source
       return source, target, f"loaded from {paths[0]}"
@@ -144,7 +146,7 @@ def load_or_train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: An
     if jax.process_index() == 0:
       _save(*_train_tokenizers(task, corpus, config, seed), paths, identity)
     multihost_utils.sync_global_devices("tokenizer saved")
-    return load_or_train_tokenizers(task, corpus, config, seed, workdir)
+    return load_or_train_tokenizers(task, corpus, config, seed, workdir, check_identity)
   source, target = _train_tokenizers(task, corpus, config, seed)
   if paths:
     _save(source, target, paths, identity)
@@ -166,12 +168,14 @@ class TextData:
   """A corpus made ready for training: tokenizers, training batches, eval buckets."""
 
   def __init__(self, task: TokenizerTraining, corpus: Corpus, data_config: Any, seed: int,
-               workdir: str | None = None):
+               workdir: str | None = None, check_identity: bool = False):
+    """check_identity: refuse a workdir tokenizer trained from other data or settings (the
+    trainer's setup asks for it; a reader of a finished workdir need not)."""
     self.labels, self.description = corpus.labels, corpus.description
     self._corpus, self._config, self._seed = corpus, data_config, seed
     corpus.check_splits(split_names(data_config))   # All data read before anything is saved.
     self.tokenizer, self.target_tokenizer, origin = load_or_train_tokenizers(
-        task, corpus, data_config, seed, workdir)
+        task, corpus, data_config, seed, workdir, check_identity)
     if workdir and self.labels is not None:
       atomic_write_json(os.path.join(workdir, LABELS_FILE), {"labels": self.labels})
     sizes = sorted({self.tokenizer.vocab_size, self.target_tokenizer.vocab_size})

@@ -23,16 +23,16 @@ from jax.sharding import Mesh
 
 from transformer_jax import sharding, tasks
 from transformer_jax.config import TransformerConfig
-from transformer_jax.data.vocab import SPECIALS
 from transformer_jax.data.readers import parse_labels
 from transformer_jax.data.sources import check_data_config, make_source, training_width
+from transformer_jax.data.vocab import SPECIALS
+from transformer_jax.errors import UserError
 from transformer_jax.run_config import DecodeOptions, EvalOptions
 from transformer_jax.tasks import Task
 from transformer_jax.tasks.base import check_label_smoothing
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
 from transformer_jax.training.state import TrainState, new_train_state
 from transformer_jax.training.steps import NONFINITE_POLICIES, make_eval_step, make_train_step
-from transformer_jax.errors import UserError
 
 _POSITIVE_FIELDS = ("num_train_steps", "log_every_steps", "eval_every_steps",
                     "checkpoint_every_steps", "keep_checkpoints", "batch_size",
@@ -96,8 +96,8 @@ def _check_model_and_optimizer(config: ml_collections.ConfigDict, task: type[Tas
   from the data): their errors are the same, and come before the data is read."""
   separate_target = (config.data.source != "synthetic" and task.has_target_text
                      and not config.data.get("shared_vocab", True))
-  model_cfg, _ = model_config(config, task, 2 * len(SPECIALS), 2 * len(SPECIALS) if separate_target
-                              else None)
+  stand_in = 2 * len(SPECIALS)
+  model_cfg, _ = model_config(config, task, stand_in, stand_in if separate_target else None)
   make_optimizer(config.optimizer, make_schedule(config.optimizer, model_cfg.d_model,
                                                  config.num_train_steps))
 
