@@ -9,7 +9,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from transformer_jax.checkpoint import DamagedCheckpointError, IncompatibleCheckpointError
+from transformer_jax import errors
 from transformer_jax.run_config import renamed_overrides
 from transformer_jax.training.loop import evaluate_saved, train_and_evaluate
 
@@ -18,8 +18,7 @@ from transformer_jax.training.loop import evaluate_saved, train_and_evaluate
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py")
 
 if renamed_overrides(sys.argv[1:]):   # Fields that moved: say where to, before absl's "unknown".
-  sys.stderr.write("error: " + "; ".join(renamed_overrides(sys.argv[1:])) + "\n")
-  sys.exit(2)
+  errors.exit_with(errors.UserError("; ".join(renamed_overrides(sys.argv[1:]))))
 try:
   _CONFIG = config_flags.DEFINE_config_file(
       "config", _DEFAULT_CONFIG, "Config file (ml_collections); fields are overridable "
@@ -29,8 +28,9 @@ except (AttributeError, KeyError) as e:  # ml_collections applies overrides here
   while isinstance(_detail, (AttributeError, KeyError)) and _detail.args:
     _detail = _detail.args[0]  # Unwrap AttributeError(KeyError("'name'\nDid you mean...")).
   _overrides = [a.split("=")[0] for a in sys.argv[1:] if a.startswith("--config.")]
-  sys.exit(f"error: unknown config field {_detail} (overrides given: {_overrides}); "
-           "the config file lists the valid fields")
+  errors.exit_with(errors.UserError(
+      f"unknown config field {_detail} (overrides given: {_overrides}); the config file "
+      "lists the valid fields"))
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Output directory (checkpoints, metrics.jsonl, config.json, vocab); "
     "defaults to workdirs/<config name>. An existing workdir is resumed from its newest "
@@ -48,24 +48,18 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])
+  if not os.path.isfile(config_path):
+    raise errors.MissingFileError(f"--config={config_path}: no such file")
   config_name = os.path.splitext(os.path.basename(config_path))[0]
   workdir = _WORKDIR.value or os.path.join("workdirs", config_name)
   if _CHECKPOINT.value and not _EVAL_ONLY.value:
     raise app.UsageError("--checkpoint is for --eval_only; training resumes from the "
                          "workdir's newest checkpoint")
-  # Checkpoints that cannot be used (and, for --eval_only, a missing one): say what, no trace.
-  expected = (IncompatibleCheckpointError, DamagedCheckpointError)
-  try:
-    if _EVAL_ONLY.value:
-      try:
-        evaluate_saved(_CONFIG.value, workdir, _CHECKPOINT.value)
-      except FileNotFoundError as e:
-        sys.exit(f"error: {e}")
-    else:
-      train_and_evaluate(_CONFIG.value, workdir)
-  except expected as e:
-    sys.exit(f"error: {e}")
+  if _EVAL_ONLY.value:
+    evaluate_saved(_CONFIG.value, workdir, _CHECKPOINT.value)
+  else:
+    train_and_evaluate(_CONFIG.value, workdir)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run(main)   # A user error (UserError): one line on stderr, exit status 2.

@@ -19,12 +19,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags, logging
+from absl import flags, logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from configs import default, multi30k, wmt14_ende_base
+from transformer_jax import errors
 from transformer_jax.checkpoint import TrainCheckpoints, describe
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.synthetic import make_vocab
@@ -119,4 +120,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run(main)

@@ -27,6 +27,7 @@ from ml_collections import config_flags
 
 from transformer_jax.config import BOS_ID, PAD_ID, UNK_ID, TransformerConfig
 from transformer_jax.modules.models import REMAT_POLICIES
+from transformer_jax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,13 +90,13 @@ def setup() -> Setup:
   for name, value in (("vocab_size", vocab_size), ("src_length", src_length),
                       ("tgt_length", tgt_length)):
     if not value:
-      raise SystemExit(f"error: the config gives no {name}; pass --{name}")
+      raise UserError(f"the config gives no {name}; pass --{name}")
   values["vocab_size"] = vocab_size
   model = TransformerConfig.from_dict(values)
   longest = max(src_length, tgt_length)
   if longest > model.max_len:
-    raise SystemExit(f"error: sequence length {longest} exceeds model.max_len="
-                     f"{model.max_len}; pass --config.model.max_len")
+    raise UserError(f"sequence length {longest} exceeds model.max_len={model.max_len}; "
+                    "pass --config.model.max_len")
   return Setup(config, model, FLAGS.batch_size or config.batch_size, src_length, tgt_length)
 
 

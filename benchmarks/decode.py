@@ -23,7 +23,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from benchmarks import common
-from transformer_jax import decoding
+from transformer_jax import decoding, errors
 from transformer_jax.config import EOS_ID, PAD_ID
 from transformer_jax.modules.models import Transformer
 
@@ -99,4 +99,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run(main)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from transformer_jax import Transformer, TransformerConfig, sharding
+from transformer_jax import Transformer, TransformerConfig, errors, sharding
 from transformer_jax.training.state import new_train_state
 
 LAYOUTS = [dict(data=8), dict(fsdp=8), dict(data=2, tensor=4), dict(data=2, fsdp=2, tensor=2),
@@ -48,4 +48,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  errors.user_errors(main)()

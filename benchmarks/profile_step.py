@@ -22,6 +22,7 @@ import jax
 from absl import app, flags, logging
 
 from benchmarks import common, train_step
+from transformer_jax import errors
 
 flags.DEFINE_integer("profile_steps", 5, "Steps recorded in the trace.", lower_bound=1)
 flags.DEFINE_integer("top", 15, "Op families printed.", lower_bound=1)
@@ -79,4 +80,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run(main)

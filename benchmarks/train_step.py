@@ -24,6 +24,7 @@ import flax.linen as nn
 from absl import app, flags, logging
 
 from benchmarks import common
+from transformer_jax import errors
 from transformer_jax.flops import matmul_flops, model_flops
 from transformer_jax.params import count_params
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
@@ -133,4 +134,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run(main)

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from typing import Any, Sequence
 
-from absl import app, flags, logging
+from absl import flags, logging
 import jax
 import numpy as np
 
+from transformer_jax import errors
+from transformer_jax.errors import UserError
 from transformer_jax.predict import Predictor
 
 KINDS = ("encoder", "decoder", "cross")
@@ -53,10 +54,10 @@ def attention_for(predictor: Predictor, text: str,
   task = predictor.task
   length = len(task.tokenizer.encode(text))
   if length == 0:
-    raise ValueError("the input text has no tokens")
+    raise UserError("the input text has no tokens")
   if length > task.model_config.max_len:
-    raise ValueError(f"the input has {length} tokens; the model's max_len is "
-                     f"{task.model_config.max_len}")
+    raise UserError(f"the input has {length} tokens; the model's max_len is "
+                    f"{task.model_config.max_len}")
   output = predictor.predict_lines([text], predictor.decode_options(beam_size=beam_size))[0]
   intermediates, labels = task.attention(predictor.params, text, output)
   return collect_weights(intermediates), labels
@@ -100,11 +101,11 @@ def write_maps(predictor: Predictor, text: str, output_dir: str, kinds: Sequence
       continue                                # e.g. no decoder in an encoder-only model
     layers = weights[name]
     if not -len(layers) <= layer < len(layers):
-      raise ValueError(f"--layer={layer}: the {name} stack has {len(layers)} layers")
+      raise UserError(f"--layer={layer}: the {name} stack has {len(layers)} layers")
     index = layer % len(layers)
     if not -1 <= head < layers[index].shape[0]:
-      raise ValueError(f"--head={head}: the model has {layers[index].shape[0]} heads "
-                       "(-1 draws all)")
+      raise UserError(f"--head={head}: the model has {layers[index].shape[0]} heads "
+                      "(-1 draws all)")
     queries, keys = (labels[a] for a in axes[name])
     path = os.path.join(output_dir, f"{name}_layer{index}.png")
     render(layers[index], queries, keys, f"{name} attention, layer {index}", path, head)
@@ -133,17 +134,14 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   if FLAGS.workdir is None and FLAGS.checkpoint is None:
-    sys.exit("error: give --workdir or --checkpoint")
+    raise UserError("give --workdir or --checkpoint")
   kinds = KINDS if FLAGS.attention == "all" else (FLAGS.attention,)
-  try:
-    predictor = Predictor(FLAGS.workdir, FLAGS.checkpoint)
-    paths = write_maps(predictor, FLAGS.text, FLAGS.output_dir, kinds, FLAGS.layer,
-                       FLAGS.head, FLAGS.beam_size)
-  except (FileNotFoundError, ValueError) as e:
-    sys.exit(f"error: {e}")
+  predictor = Predictor(FLAGS.workdir, FLAGS.checkpoint)
+  paths = write_maps(predictor, FLAGS.text, FLAGS.output_dir, kinds, FLAGS.layer,
+                     FLAGS.head, FLAGS.beam_size)
   print("\n".join(paths))
 
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  errors.run(main)

@@ -12,6 +12,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from transformer_jax.errors import UserError
+
 # Token ids fixed across the project (tokenizers, data pipeline, decoding).
 PAD_ID = 0
 BOS_ID = 1
@@ -123,8 +125,8 @@ class TransformerConfig:
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - fields)
     if unknown:
-      raise ValueError(f"TransformerConfig: unknown option(s) {unknown}; "
-                       f"valid options are {sorted(fields)}")
+      raise UserError(f"TransformerConfig: unknown option(s) {unknown}; "
+                      f"valid options are {sorted(fields)}")
     return cls(**values)
 
   def replace(self, **changes: Any) -> "TransformerConfig":
@@ -153,7 +155,7 @@ class TransformerConfig:
   # ------------------------------------------------------------------------ validation
   def __post_init__(self) -> None:
     def fail(field: str, message: str) -> None:
-      raise ValueError(f"TransformerConfig.{field}={getattr(self, field)!r}: {message}")
+      raise UserError(f"TransformerConfig.{field}={getattr(self, field)!r}: {message}")
 
     for field in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
       value = getattr(self, field)

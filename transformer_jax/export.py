@@ -22,39 +22,34 @@ selection; load it with `Served.load(DIR)` or serve it with `python -m transform
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 from absl import app, flags, logging
 
-from transformer_jax import checkpoint
+from transformer_jax import checkpoint, errors
+from transformer_jax.errors import MissingFileError, UserError
 
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   """The command-line flags, defined only when this module is the program (so that other
-  commands can import it)."""
-  flags.DEFINE_string("workdir", None, "Training workdir.", required=True)
+  commands can import it); tests pass a FlagValues of their own."""
+  define = dict(flag_values=flag_values)
+  flags.DEFINE_string("workdir", None, "Training workdir.", required=True, **define)
   flags.DEFINE_integer("average", 1, "Average the parameters of this many checkpoints: "
-                       "--step and the ones before it.")
+                       "--step and the ones before it.", **define)
   flags.DEFINE_string("step", "latest", "Checkpoint step, 'latest' or 'best' (the best by "
-                      "config.best_checkpoint_metric; needs keep_best_checkpoints).")
+                      "config.best_checkpoint_metric; needs keep_best_checkpoints).", **define)
   flags.DEFINE_string("output", None, "Output directory; default "
                       "W/exports/step_<S>[_avg<N>] (orbax) or W/serving/step_<S>[_avg<N>] "
-                      "(stablehlo).")
+                      "(stablehlo).", **define)
   flags.DEFINE_enum("format", "orbax", ["orbax", "stablehlo"], "orbax: a params-only "
                     "checkpoint for predict; stablehlo: a served model (jax.export).")
   flags.DEFINE_list("platforms", None, "stablehlo: platforms to export for (cpu, cuda, "
                     "rocm, tpu); default: this machine's.")
   flags.DEFINE_integer("beam_size", None, "stablehlo, translation: beam size baked into the "
                        "artifact (1 = greedy); default: the run's decode.beam_size.")
-
-
-def _fail(message: str) -> None:
-  """A user error: one line on stderr, exit status 2."""
-  print(f"error: {message}", file=sys.stderr)
-  sys.exit(2)
 
 
 def export_stablehlo(workdir: str, steps: list[int] | None, output: str | None,
@@ -86,8 +81,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   directory = os.path.join(FLAGS.workdir, checkpoint.CHECKPOINT_DIR)
   if not os.path.isdir(directory):
-    _fail(f"{directory} does not exist; train first with "
-          f"`python train.py --workdir {FLAGS.workdir}`")
+    raise MissingFileError(f"{directory} does not exist; train first with "
+                           f"`python train.py --workdir {FLAGS.workdir}`")
   steps = checkpoint.checkpoint_steps(directory)
   try:
     chosen = checkpoint.select_steps(steps, FLAGS.step, FLAGS.average,
@@ -101,12 +96,11 @@ def main(argv):
     name = f"step_{chosen[-1]}" + (f"_avg{len(chosen)}" if len(chosen) > 1 else "")
     output = FLAGS.output or os.path.join(FLAGS.workdir, checkpoint.EXPORT_DIR, name)
     path = checkpoint.export(directory, chosen, output)
-  except (ValueError, FileExistsError, FileNotFoundError,
-          checkpoint.DamagedCheckpointError) as e:
-    _fail(str(e))
+  except (ValueError, FileExistsError) as e:   # a --step or --average that cannot be had
+    raise UserError(str(e)) from e
   print(f"exported the parameters of steps {chosen} to {path}")
 
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  errors.run(main)

@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 
 from transformer_jax.config import TransformerConfig
+from transformer_jax.errors import UserError
 
 
-class InputError(ValueError):
+class InputError(UserError):
   """Input data that the model cannot take; the message names the array and the problem."""
 
 

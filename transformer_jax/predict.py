@@ -18,14 +18,16 @@ import os
 import sys
 from typing import Iterable, TextIO
 
-from absl import app, flags, logging
+from absl import flags, logging
 import flax.linen as nn
 import jax
 
-from transformer_jax import checkpoint, run_config, tasks
+from transformer_jax import checkpoint, errors, run_config, tasks
 from transformer_jax.data import pipeline
 from transformer_jax.inputs import InputError
 from transformer_jax.run_config import DecodeOptions
+from transformer_jax.errors import MissingFileError, UserError
+from transformer_jax.files import atomic_output
 
 
 class Predictor:
@@ -34,16 +36,16 @@ class Predictor:
   def __init__(self, workdir: str | None = None, checkpoint_path: str | None = None):
     if checkpoint_path is not None:
       if not os.path.isdir(checkpoint_path):
-        raise FileNotFoundError(f"checkpoint {checkpoint_path!r} does not exist")
+        raise MissingFileError(f"checkpoint {checkpoint_path!r} does not exist")
       candidates = [checkpoint_path]
     elif workdir is None or not os.path.isdir(workdir):
-      raise FileNotFoundError(f"workdir {workdir!r} does not exist; train first with "
-                              f"`python train.py --workdir {workdir}`")
+      raise MissingFileError(f"workdir {workdir!r} does not exist; train first with "
+                             f"`python train.py --workdir {workdir}`")
     else:
       candidates = checkpoint.models(workdir)
       if not candidates:
-        raise FileNotFoundError(f"workdir {workdir!r} has no checkpoint or export; was "
-                                "training interrupted before the first checkpoint?")
+        raise MissingFileError(f"workdir {workdir!r} has no checkpoint or export; was "
+                               "training interrupted before the first checkpoint?")
     self.path, (model, self.params), _ = checkpoint.first_good(candidates, self._load)
     self.step, self.run_config = model.step, run_config.upgrade(model.config)
     self.task = self._task(model)
@@ -79,19 +81,24 @@ class Predictor:
     return dataclasses.replace(self.decode,
                                **{k: v for k, v in overrides.items() if v is not None})
 
-  def predict_lines(self, lines: list[str], decode: DecodeOptions | None = None) -> list[str]:
+  def predict_lines(self, lines: list[str], decode: DecodeOptions | None = None,
+                    first_line: int = 1) -> list[str]:
     """One output line per input line: a translation, a label, or space-separated tags,
     searched with `decode` (default: the run's decode options). Lines are grouped in
-    length buckets, so each bucket shape compiles once."""
+    length buckets, so each bucket shape compiles once. An unusable line raises InputError
+    naming its number (`first_line` is the number of lines[0])."""
     if not lines:
       return []
     decode = decode or self.decode
     records = [self.task.record_from_line(line) for line in lines]
     max_len = self.model_config.max_len
-    for index, record in enumerate(records):
-      length = self.task.example_length(self.task.featurize(record))
+    for number, record in enumerate(records, first_line):
+      try:
+        length = self.task.example_length(self.task.featurize(record))
+      except UserError as e:   # e.g. a symbol outside the vocabulary
+        raise InputError(f"input line {number}: {e}") from None
       if length > max_len:
-        raise InputError(f"input line {index + 1}: {length} tokens exceed the "
+        raise InputError(f"input line {number}: {length} tokens exceed the "
                          f"model's max_len={max_len}; shorten or split it")
     for index, record in enumerate(records):
       record["index"] = index     # where its output goes once the buckets are decoded
@@ -123,7 +130,7 @@ def predict(workdir: str | None, infile: TextIO, outfile: TextIO, beam_size: int
   decode = predictor.decode_options(beam_size=beam_size, alpha=alpha)
   count = 0
   for batch in _batches(infile, batch_size):
-    for line in predictor.predict_lines(batch, decode):
+    for line in predictor.predict_lines(batch, decode, first_line=count + 1):
       outfile.write(line + "\n")
       count += 1
   outfile.flush()
@@ -133,42 +140,58 @@ def predict(workdir: str | None, infile: TextIO, outfile: TextIO, beam_size: int
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   """The command-line flags, defined only when this module is the program (so that other
-  commands can import it)."""
+  commands can import it); tests pass a FlagValues of their own."""
+  define = dict(flag_values=flag_values)
   flags.DEFINE_string("workdir", None, "Training workdir: its newest export or "
-                      "checkpoint is used.")
+                      "checkpoint is used.", **define)
   flags.DEFINE_string("checkpoint", None, "An export (W/exports/NAME) or checkpoint "
-                      "(W/checkpoints/STEP) directory to use instead.")
-  flags.DEFINE_string("input", "-", "Input file, one example per line ('-': stdin).")
-  flags.DEFINE_string("output", "-", "Output file ('-': stdout).")
+                      "(W/checkpoints/STEP) directory to use instead.", **define)
+  flags.DEFINE_string("input", "-", "Input file, one example per line ('-': stdin).",
+                      **define)
+  flags.DEFINE_string("output", "-", "Output file ('-': stdout).", **define)
   flags.DEFINE_integer("beam_size", None, "Beam size (1 = greedy); default: the run's "
-                       "decode.beam_size.")
+                       "decode.beam_size.", **define)
   flags.DEFINE_float("alpha", None, "Length penalty exponent; default: the run's "
-                     "decode.alpha.")
-  flags.DEFINE_integer("batch_size", 64, "Lines decoded together.")
+                     "decode.alpha.", **define)
+  flags.DEFINE_integer("batch_size", 64, "Lines decoded together.", **define)
+
+def _check_flags() -> None:
+  """The flags, before a model is loaded."""
+  if FLAGS.workdir is None and FLAGS.checkpoint is None:
+    raise UserError("give --workdir (a training workdir) or --checkpoint (an export or "
+                    "checkpoint directory)")
+  for name, low in (("batch_size", 1), ("beam_size", 1), ("alpha", 0)):
+    value = FLAGS[name].value
+    if value is not None and not value >= low:    # `not >=`: NaN fails too
+      raise UserError(f"--{name}={value}: must be >= {low}")
+  if FLAGS.input != "-" and not os.path.isfile(FLAGS.input):
+    raise MissingFileError(f"--input={FLAGS.input}: no such file")
+  if FLAGS.output != "-":
+    directory = os.path.dirname(os.path.abspath(FLAGS.output))
+    if not os.path.isdir(directory):
+      raise MissingFileError(f"--output={FLAGS.output}: directory {directory} does not exist")
 
 
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
   del argv
-  if FLAGS.workdir is None and FLAGS.checkpoint is None:
-    sys.exit("error: give --workdir (a training workdir) or --checkpoint (an export or "
-             "checkpoint directory)")
-  infile = sys.stdin if FLAGS.input == "-" else open(FLAGS.input)
-  outfile = sys.stdout if FLAGS.output == "-" else open(FLAGS.output, "w")
+  _check_flags()
+  # utf-8-sig: a byte-order mark (Windows editors) is not part of the first line.
+  infile = sys.stdin if FLAGS.input == "-" else open(FLAGS.input, encoding="utf-8-sig")
+  args = (FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_size, FLAGS.checkpoint)
   try:
-    predict(FLAGS.workdir, infile, outfile, FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_size,
-            FLAGS.checkpoint)
-  except (FileNotFoundError, ValueError, checkpoint.DamagedCheckpointError) as e:
-    sys.exit(f"error: {e}")  # Bad workdir, checkpoint or input: say what, no trace.
+    if FLAGS.output == "-":
+      predict(FLAGS.workdir, infile, sys.stdout, *args)
+    else:   # Replaced only once every line is predicted: a failure keeps the old results.
+      with atomic_output(FLAGS.output) as outfile:
+        predict(FLAGS.workdir, infile, outfile, *args)
   finally:
     if infile is not sys.stdin:
       infile.close()
-    if outfile is not sys.stdout:
-      outfile.close()
 
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  errors.run(main)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
+from transformer_jax.errors import UserError
+
 # Old name -> new name. An override of an old name fails with a message giving the new one;
 # a saved config.json that uses old names (workdirs of earlier versions) is read under the
 # new ones.
@@ -23,7 +25,7 @@ RENAMED_FIELDS = {
 }
 
 
-class RenamedFieldError(ValueError):
+class RenamedFieldError(UserError):
   """A config field was given by a name it no longer has."""
 
 
@@ -39,12 +41,12 @@ class DecodeOptions:
 
   def __post_init__(self) -> None:
     if not isinstance(self.beam_size, int) or self.beam_size < 1:
-      raise ValueError(f"decode.beam_size={self.beam_size!r}: must be an integer >= 1")
+      raise UserError(f"decode.beam_size={self.beam_size!r}: must be an integer >= 1")
     if not isinstance(self.max_extra_length, int) or self.max_extra_length < 0:
-      raise ValueError(f"decode.max_extra_length={self.max_extra_length!r}: must be an "
-                       "integer >= 0")
+      raise UserError(f"decode.max_extra_length={self.max_extra_length!r}: must be an "
+                      "integer >= 0")
     if not isinstance(self.alpha, (int, float)) or self.alpha < 0:
-      raise ValueError(f"decode.alpha={self.alpha!r}: must be a number >= 0")
+      raise UserError(f"decode.alpha={self.alpha!r}: must be a number >= 0")
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any] | None) -> "DecodeOptions":
@@ -65,7 +67,7 @@ class EvalOptions:
     for name, low in (("batch_size", 1), ("examples", 0), ("num_samples", 0)):
       value = getattr(self, name)
       if not isinstance(value, int) or value < low:
-        raise ValueError(f"eval.{name}={value!r}: must be an integer >= {low}")
+        raise UserError(f"eval.{name}={value!r}: must be an integer >= {low}")
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any] | None) -> "EvalOptions":

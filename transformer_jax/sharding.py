@@ -20,6 +20,8 @@ import numpy as np
 from absl import logging
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from transformer_jax.errors import UserError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
@@ -33,7 +35,7 @@ LOGICAL_AXIS_RULES = (
 )
 
 
-class MeshError(ValueError):
+class MeshError(UserError):
   """A mesh that does not fit the devices, or a batch that does not fit the mesh."""
 
 
@@ -172,8 +174,8 @@ def initialize_distributed(coordinator_address: str = "", num_processes: int = 0
     jax.distributed.initialize()
     return
   if num_processes < 1 or not 0 <= process_id < num_processes:
-    raise ValueError(f"distributed: num_processes={num_processes} and process_id={process_id} "
-                     "must satisfy 0 <= process_id < num_processes when coordinator_address "
-                     f"={coordinator_address!r} is given")
+    raise UserError(f"distributed: num_processes={num_processes} and process_id={process_id} "
+                    "must satisfy 0 <= process_id < num_processes when coordinator_address "
+                    f"={coordinator_address!r} is given")
   jax.distributed.initialize(coordinator_address=coordinator_address,
                              num_processes=num_processes, process_id=process_id)

@@ -18,15 +18,16 @@ from transformer_jax.checkpoint.exports import (CHECKPOINT_DIR, EXPORT_DIR, Mode
                                                 checkpoint_steps, export, first_good, models,
                                                 read_model, restore_params, select_steps,
                                                 write_export)
-from transformer_jax.checkpoint.manager import DAMAGED_DIR, Restored, TrainCheckpoints
+from transformer_jax.checkpoint.manager import (DAMAGED_DIR, CheckpointWriteError, Restored,
+                                                TrainCheckpoints, check_writable)
 from transformer_jax.checkpoint.manifest import (DamagedCheckpointError,
                                                  IncompatibleCheckpointError,
                                                  config_differences, describe, signature)
 
 __all__ = [
-    "CHECKPOINT_DIR", "DAMAGED_DIR", "EXPORT_DIR", "DamagedCheckpointError",
-    "IncompatibleCheckpointError", "Model", "Restored", "TrainCheckpoints",
-    "best_step", "checkpoint_steps", "config_differences", "describe", "export", "first_good",
-    "models", "read_model", "restore_params", "select_steps",
-    "signature", "write_export",
+    "CHECKPOINT_DIR", "CheckpointWriteError", "DAMAGED_DIR", "EXPORT_DIR",
+    "DamagedCheckpointError", "IncompatibleCheckpointError", "Model", "Restored",
+    "TrainCheckpoints", "best_step", "check_writable", "checkpoint_steps",
+    "config_differences", "describe", "export", "first_good", "models", "read_model",
+    "restore_params", "select_steps", "signature", "write_export",
 ]

@@ -9,13 +9,21 @@ next start). Orbax deletes the checkpoints beyond `keep` only after the newer on
 committed. A checkpoint that fails to read or to match its manifest's fingerprints is
 damaged: `restore` warns, moves it to W/checkpoints/damaged/ (never deletes it) and falls
 back to the newest good one.
+
+A directory that cannot be written (read-only, no permission, disk full) raises
+CheckpointWriteError, one line naming the directory and the reason: before training (a test
+write, `check_writable`), or from the save that fails. The checkpoints before it stay
+intact, and `close` then stops Orbax's threads without waiting on them, so the process ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging as std_logging
-from typing import Any, Iterable, Sequence
+import os
+import threading
+import uuid
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 from absl import logging
 from etils import epath
@@ -26,11 +34,48 @@ from transformer_jax import sharding
 from transformer_jax.checkpoint.exports import first_good
 from transformer_jax.checkpoint.manifest import (absolute, check_compatible, describe, read,
                                                  signature, verify)
+from transformer_jax.errors import UserError, tracebacks_wanted
 
 # The array items of a training checkpoint; its JSON items are data, config, tokenizer and
 # manifest. Fixed, so that every checkpoint ever written restores.
 ARRAY_ITEMS = ("params", "train")
 DAMAGED_DIR = "damaged"
+_CLOSE_TIMEOUT_SECS = 30   # after a failed save, how long close() waits for Orbax's threads
+T = TypeVar("T")
+
+
+class CheckpointWriteError(UserError):
+  """The checkpoint directory cannot be written."""
+
+
+def _os_error(error: BaseException | None) -> OSError | None:
+  """The OSError that caused `error` (Orbax re-raises its threads' errors), if any."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    if isinstance(error, OSError):
+      return error
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def check_writable(directory: str) -> None:
+  """Writes, renames and removes a file in `directory` (created, and removed again, if
+  missing); an OSError becomes CheckpointWriteError. Only trying tells: as root, permission
+  bits do not stop writes, and os.access does not know every read-only mount."""
+  probe = os.path.join(directory, f".write-test-{uuid.uuid4().hex}")
+  created = not os.path.isdir(directory)
+  try:
+    os.makedirs(directory, exist_ok=True)
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.replace(probe, probe + ".renamed")
+    os.remove(probe + ".renamed")
+    if created:   # Left to the first save: a run refused later leaves no checkpoints/.
+      os.rmdir(directory)
+  except OSError as e:
+    raise CheckpointWriteError(f"cannot write checkpoint to {directory}: "
+                               f"{(e.strerror or str(e)).lower()}") from e
 
 
 @dataclasses.dataclass
@@ -51,6 +96,16 @@ def _check_items(arrays: dict[str, Any]) -> None:
                     f"{list(ARRAY_ITEMS)}, not {given} (see training.state.checkpoint_arrays)")
 
 
+class _WithoutSaveFailureTracebacks(std_logging.Filter):
+  """Orbax logs a failed background save with its traceback (twice); the failure is
+  raised to the trainer as one CheckpointWriteError instead."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return tracebacks_wanted() or not (record.levelno >= std_logging.ERROR and (
+        "background save thread" in message or "Finalize thread" in message))
+
+
 class _WithoutMissingMetricsWarning(std_logging.Filter):
   """Orbax warns at every save without metrics when it tracks the best checkpoint; here
   only evaluations have metrics, by design."""
@@ -60,6 +115,7 @@ class _WithoutMissingMetricsWarning(std_logging.Filter):
 
 
 _MISSING_METRICS_FILTER = _WithoutMissingMetricsWarning()
+_SAVE_FAILURE_FILTER = _WithoutSaveFailureTracebacks()
 
 
 class TrainCheckpoints:
@@ -76,6 +132,8 @@ class TrainCheckpoints:
                best_mode: str = "max"):
     self.directory = absolute(directory)
     self.run_config, self.tokenizer = run_config, tokenizer
+    self.failed = False
+    std_logging.getLogger("absl").addFilter(_SAVE_FAILURE_FILTER)  # Added once.
     self.best_metric = best_metric if keep_best else ""
     policies = ocp.checkpoint_managers
     saves = [policies.FixedIntervalPolicy(n) for n in save_interval_steps]
@@ -85,13 +143,27 @@ class TrainCheckpoints:
       std_logging.getLogger("absl").addFilter(_MISSING_METRICS_FILTER)  # Added once.
       keeps.append(policies.BestN(get_metric_fn=self._best_value, reverse=best_mode == "min",
                                   n=keep_best, keep_checkpoints_without_metrics=False))
-    self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-        save_decision_policy=policies.AnySavePolicy(
-            saves + [policies.PreemptionCheckpointingPolicy()]),
-        preservation_policy=policies.AnyPreservationPolicy(keeps),
-        # Setting best_fn makes Orbax write each save's metrics, which BestN reads back.
-        best_fn=self._best_value if self.best_metric else None,
-        best_mode=best_mode, cleanup_tmp_directories=True, create=True))
+    self.manager = self._writing(lambda: ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(
+            save_decision_policy=policies.AnySavePolicy(
+                saves + [policies.PreemptionCheckpointingPolicy()]),
+            preservation_policy=policies.AnyPreservationPolicy(keeps),
+            # Setting best_fn makes Orbax write each save's metrics, which BestN reads back.
+            best_fn=self._best_value if self.best_metric else None,
+            best_mode=best_mode, cleanup_tmp_directories=True, create=True)))
+
+  def _writing(self, write: Callable[[], T]) -> T:
+    """write(), with a failure to write to the directory raised as CheckpointWriteError."""
+    try:
+      return write()
+    except Exception as e:
+      cause = _os_error(e)
+      if cause is None:
+        raise
+      self.failed = True
+      reason = (cause.strerror or str(cause)).lower()
+      raise CheckpointWriteError(f"cannot write checkpoint to {self.directory}: {reason} "
+                                 f"(the checkpoints before it are intact)") from e
 
   def _best_value(self, metrics: dict) -> float:
     return float(metrics[self.best_metric])
@@ -115,14 +187,22 @@ class TrainCheckpoints:
     arrays are copied off the device. `metrics` (an evaluation at this step) rank
     checkpoints for keep_best."""
     _check_items(arrays)
-    if self.best_metric and metrics is not None and self.best_metric not in metrics:
-      raise ValueError(f"config.best_checkpoint_metric={self.best_metric!r} is not an "
-                       f"evaluation metric; they are {sorted(metrics)}")
+    unknown_metric = (self.best_metric and metrics is not None
+                      and self.best_metric not in metrics)
     manifest = {"step": step, "leaves": {k: describe(arrays[k]) for k in ARRAY_ITEMS}}
     items = {k: ocp.args.StandardSave(arrays[k]) for k in ARRAY_ITEMS}
-    self.manager.save(step, force=True, metrics=metrics, args=ocp.args.Composite(
-        **items, data=ocp.args.JsonSave(data_state), config=ocp.args.JsonSave(self.run_config),
-        tokenizer=ocp.args.JsonSave(self.tokenizer), manifest=ocp.args.JsonSave(manifest)))
+    # Without the metrics it cannot rank: the step is saved all the same, then refused.
+    self._writing(lambda: self.manager.save(
+        step, force=True, metrics=None if unknown_metric else metrics,
+        args=ocp.args.Composite(**items, data=ocp.args.JsonSave(data_state),
+                                config=ocp.args.JsonSave(self.run_config),
+                                tokenizer=ocp.args.JsonSave(self.tokenizer),
+                                manifest=ocp.args.JsonSave(manifest))))
+    if unknown_metric:
+      self.wait()
+      raise UserError(f"config.best_checkpoint_metric={self.best_metric!r} is not an "
+                      f"evaluation metric; they are {sorted(metrics)} (step {step} was "
+                      "saved without it)")
 
   def restore(self, abstract_arrays: dict[str, Any]) -> Restored | None:
     """The newest good checkpoint restored into the structure and shardings of
@@ -174,7 +254,22 @@ class TrainCheckpoints:
 
   def wait(self) -> None:
     """Blocks until the last save is committed (on disk, renamed into place)."""
-    self.manager.wait_until_finished()
+    self._writing(self.manager.wait_until_finished)
 
   def close(self) -> None:
-    self.manager.close()
+    """Waits for the last save, then stops Orbax's threads. After a failed save, closing
+    is bounded: Orbax's threads may wait forever on what never comes."""
+    if not self.failed:
+      self._writing(self.manager.close)
+      return
+    closer = threading.Thread(target=self._close_quietly, daemon=True)
+    closer.start()
+    closer.join(_CLOSE_TIMEOUT_SECS)
+    if closer.is_alive():
+      logging.warning("gave up waiting for the checkpoint threads to stop")
+
+  def _close_quietly(self) -> None:
+    try:
+      self.manager.close()
+    except Exception:  # Already reported: the save's own error is raised.
+      pass

@@ -18,12 +18,14 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from transformer_jax.errors import UserError
 
-class IncompatibleCheckpointError(ValueError):
+
+class IncompatibleCheckpointError(UserError):
   """The checkpoint holds a state of another structure than the current config builds."""
 
 
-class DamagedCheckpointError(RuntimeError):
+class DamagedCheckpointError(UserError, RuntimeError):
   """A checkpoint could not be read back as it was written."""
 
 

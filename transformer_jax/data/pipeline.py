@@ -26,6 +26,7 @@ import numpy as np
 
 # In inputs.py, shared with the flax-free serving loader, which buckets lines the same way.
 from transformer_jax.inputs import bucket_lengths
+from transformer_jax.errors import UserError
 
 TOO_LONG_POLICIES = ("drop", "truncate")
 
@@ -86,6 +87,11 @@ class _LengthLimitIterator(grain.DatasetIterator):
     self._counts = Counts(**state["counts"])
 
 
+def check_too_long(policy: str) -> None:
+  if policy not in TOO_LONG_POLICIES:
+    raise UserError(f"data.too_long={policy!r}: must be one of {TOO_LONG_POLICIES}")
+
+
 class _LengthLimit(grain.IterDataset):
   """Drops empty examples and drops or truncates ones longer than `max_length`, and counts
   each. Every example it passes carries the counts so far (key "counts"), which reach the
@@ -94,8 +100,7 @@ class _LengthLimit(grain.IterDataset):
   def __init__(self, parent: grain.IterDataset, task: Featurizing, max_length: int,
                policy: str):
     super().__init__(parent)
-    if policy not in TOO_LONG_POLICIES:
-      raise ValueError(f"data.too_long={policy!r}: must be one of {TOO_LONG_POLICIES}")
+    check_too_long(policy)
     self._args = (task, max_length, policy)
 
   def __iter__(self) -> grain.DatasetIterator:
@@ -173,10 +178,10 @@ def train_iterator(records: Sequence[dict], task: Featurizing, *, batch_size: in
   classifier needs a bound as each example is one label slot); False: one per row.
   """
   if not 0 <= shard_index < shard_count:
-    raise ValueError(f"shard {shard_index} of {shard_count}: need 0 <= index < count")
+    raise UserError(f"shard {shard_index} of {shard_count}: need 0 <= index < count")
   if len(records) < shard_count:
-    raise ValueError(f"{len(records)} training examples cannot be split over "
-                     f"{shard_count} hosts")
+    raise UserError(f"{len(records)} training examples cannot be split over "
+                    f"{shard_count} hosts")
   max_per_row = (max_segments or None) if pack else 1
   ds = grain.MapDataset.source(records)[shard_index::shard_count]
   ds = ds.shuffle(seed).repeat(num_epochs).map(task.featurize)

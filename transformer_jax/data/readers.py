@@ -1,7 +1,8 @@
 """Readers for local text files: parallel text, TSV `sentence<TAB>label`, CoNLL.
 
-Files may be gzipped (`name.gz`). Malformed input raises DataFormatError naming the file and
-the line (1-based), so a broken row is found without a debugger.
+Files may be gzipped (`name.gz`) and may start with a UTF-8 byte-order mark (dropped).
+Malformed input raises DataFormatError naming the file and the line (1-based), so a broken
+row is found without a debugger; a file without a single example is malformed too.
 """
 
 from __future__ import annotations
@@ -9,13 +10,18 @@ from __future__ import annotations
 import gzip
 import os
 import re
+import zlib
 from typing import Iterator, Sequence
+
+from transformer_jax.errors import MissingFileError, UserError
+
+_BOM = "\ufeff"
 
 _TAG = re.compile(r"^(O|[BI]-\S+)$")
 _DOCSTART = "-DOCSTART-"
 
 
-class DataFormatError(ValueError):
+class DataFormatError(UserError):
   """A data file that cannot be read as its format requires; names the file and line."""
 
 
@@ -26,14 +32,15 @@ def find_file(directory: str, stem: str) -> str:
     if os.path.isfile(path):
       return path
   if not os.path.isdir(directory):
-    raise FileNotFoundError(f"data directory {directory!r} does not exist "
-                            "(set --config.data.dir=PATH)")
+    raise MissingFileError(f"data directory {directory!r} does not exist "
+                           "(set --config.data.dir=PATH)")
   present = ", ".join(sorted(os.listdir(directory))) or "nothing"
-  raise FileNotFoundError(f"no file {stem!r} (or {stem}.gz) in {directory}; it holds: {present}")
+  raise MissingFileError(f"no file {stem!r} (or {stem}.gz) in {directory}; it holds: {present}")
 
 
 def read_lines(path: str) -> Iterator[tuple[int, str]]:
-  """(line number, text without the newline) for each line of a UTF-8 file, gzipped or not."""
+  """(line number, text without the newline) for each line of a UTF-8 file, gzipped or not.
+  A byte-order mark at the start is dropped (editors on Windows add one)."""
   opener = gzip.open if path.endswith(".gz") else open
   try:
     with opener(path, "rb") as f:
@@ -43,15 +50,27 @@ def read_lines(path: str) -> Iterator[tuple[int, str]]:
         except UnicodeDecodeError as e:
           raise DataFormatError(f"{path}:{number}: not valid UTF-8 (byte {raw[e.start]:#04x} "
                                 f"at column {e.start + 1})") from None
+        if number == 1:
+          text = text.removeprefix(_BOM)
         yield number, text.rstrip("\r\n")
-  except (gzip.BadGzipFile, EOFError) as e:
+  except (gzip.BadGzipFile, EOFError, zlib.error) as e:
     raise DataFormatError(f"{path}: not a readable gzip file ({e})") from None
+  except OSError as e:    # a truncated or corrupt body, an unreadable file
+    raise DataFormatError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def no_examples(path: str) -> DataFormatError:
+  return DataFormatError(f"no examples in {path} (the file is empty or holds only blank "
+                         "lines)")
 
 
 def read_parallel(source_path: str, target_path: str) -> list[dict[str, str]]:
   """Line i of the source file translates line i of the target file."""
   sources = [text.strip() for _, text in read_lines(source_path)]
   targets = [text.strip() for _, text in read_lines(target_path)]
+  for path, texts in ((source_path, sources), (target_path, targets)):
+    if not any(texts):
+      raise no_examples(path)
   if len(sources) != len(targets):
     longer = source_path if len(sources) > len(targets) else target_path
     raise DataFormatError(
@@ -81,6 +100,8 @@ def read_tsv(path: str, label_names: Sequence[str]) -> list[dict]:
       raise DataFormatError(f"{path}:{number}: unknown label {label!r}; the labels are "
                             f"{', '.join(sorted(lookup))} (config data.labels)")
     records.append({"text": fields[0].strip(), "label": lookup[label]})
+  if not records:
+    raise no_examples(path)
   return records
 
 
@@ -112,6 +133,8 @@ def read_conll(path: str) -> list[dict]:
     words.append(fields[0])
     tags.append(fields[-1])
   flush()
+  if not sentences:
+    raise no_examples(path)
   return sentences
 
 

@@ -14,24 +14,51 @@ from typing import Any
 
 from transformer_jax.data.corpus import local_corpus
 from transformer_jax.data.synthetic import RECORD_KEYS, SyntheticData
-from transformer_jax.data.text_data import TextData
+from transformer_jax.data.pipeline import check_too_long
+from transformer_jax.data.text_data import TextData, check_tokenizer_choice
 from transformer_jax.data.tokenizer import VOCAB_FILE
+from transformer_jax.errors import UserError
 
 SOURCES = ("synthetic", "local", "tfds")
+
+
+def check_data_config(task: Any, data: Any) -> None:
+  """The `data` group's choices, checked before anything is read."""
+  if data.source not in SOURCES:
+    raise UserError(f"data.source={data.source!r}: must be one of {SOURCES}")
+  synthetic = data.source == "synthetic"
+  for field in ("max_length",) if synthetic else ("max_length", "eval_max_length"):
+    if not isinstance(data.get(field), int) or data.get(field) < 1:
+      raise UserError(f"data.{field}={data.get(field)!r}: must be a positive integer")
+  if synthetic:
+    if tuple(task.record_keys) != RECORD_KEYS:
+      raise UserError(f"data.source='synthetic' makes {RECORD_KEYS} pairs, which a "
+                      f"{task.name} task cannot read; use data.source=local or tfds")
+    SyntheticData.check(data.synthetic_task, data.min_length, data.max_length)
+    return
+  check_too_long(data.too_long)
+  check_tokenizer_choice(task, data.tokenizer)
+
+
+def training_width(data: Any) -> int:
+  """The width of the training batches the `data` group gives, in tokens: the least
+  model.max_len that can take them (evaluation batches are checked once built)."""
+  if data.source == "synthetic":
+    return max(SyntheticData.widths(data.synthetic_task, data.max_length))
+  return data.max_length
 
 
 def make_source(task: Any, data: Any, seed: int, workdir: str | None = None,
                 tokenizers: tuple[Any, Any] | None = None) -> SyntheticData | TextData:
   """The data of the config's `data` group for a task class (transformer_jax.tasks). With
-  a workdir, tokenizers are loaded from it, or taken from `tokenizers` (source, target: a
-  pretrained model's) or trained, and saved there."""
+  a workdir, tokenizers are loaded from it (refused if made for other data or settings),
+  or taken from `tokenizers` (source, target: a pretrained model's) or trained, and saved
+  there."""
+  check_data_config(task, data)
   if data.source == "synthetic":
     if tokenizers:
-      raise ValueError("init_from: synthetic data has its own fixed vocabulary; fine-tune "
-                       "on text data (data.source=local or tfds)")
-    if tuple(task.record_keys) != RECORD_KEYS:
-      raise ValueError(f"data.source='synthetic' makes {RECORD_KEYS} pairs, which a "
-                       f"{task.name} task cannot read; use data.source=local or tfds")
+      raise UserError("init_from: synthetic data has its own fixed vocabulary; fine-tune "
+                      "on text data (data.source=local or tfds)")
     synthetic = SyntheticData(data.synthetic_task, data.min_length, data.max_length, seed)
     if workdir:
       os.makedirs(workdir, exist_ok=True)
@@ -39,9 +66,7 @@ def make_source(task: Any, data: Any, seed: int, workdir: str | None = None,
     return synthetic
   if data.source == "local":
     corpus = local_corpus(task, data)
-  elif data.source == "tfds":
+  else:
     from transformer_jax.data.tfds_source import tfds_corpus  # Imports TFDS only if used.
     corpus = tfds_corpus(task, data)
-  else:
-    raise ValueError(f"data.source={data.source!r}: must be one of {SOURCES}")
-  return TextData(task, corpus, data, seed, workdir, tokenizers)
+  return TextData(task, corpus, data, seed, workdir, tokenizers, check_identity=True)

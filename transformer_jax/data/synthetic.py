@@ -20,6 +20,7 @@ from transformer_jax import sharding
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID
 from transformer_jax.data.pipeline import EvalBatch
 from transformer_jax.data.vocab import SymbolVocab
+from transformer_jax.errors import UserError
 
 TASKS = ("reverse", "sort", "add")
 RECORD_KEYS = ("source", "target")   # the records it makes (a translation task reads them)
@@ -39,22 +40,27 @@ class SyntheticData:
   labels = None
 
   def __init__(self, task: str, min_length: int, max_length: int, seed: int):
-    if task not in TASKS:
-      raise ValueError(f"data.synthetic_task={task!r}: must be one of {TASKS}")
-    if not 1 <= min_length <= max_length:
-      raise ValueError(f"data.min_length={min_length}, data.max_length={max_length}: need "
-                       "1 <= min_length <= max_length")
+    self.check(task, min_length, max_length)
     self.task, self.min_length, self.max_length, self.seed = task, min_length, max_length, seed
     self.vocab = make_vocab()
     self.tokenizer = self.target_tokenizer = self.vocab
     self.summary = f"synthetic task {task!r}, lengths {min_length}-{max_length}"
-    # Fixed array widths: source, and target + EOS.
+    self.src_length, self.tgt_length = self.widths(task, max_length)
+
+  @staticmethod
+  def check(task: str, min_length: int, max_length: int) -> None:
+    if task not in TASKS:
+      raise UserError(f"data.synthetic_task={task!r}: must be one of {TASKS}")
+    if not 1 <= min_length <= max_length:
+      raise UserError(f"data.min_length={min_length}, data.max_length={max_length}: need "
+                      "1 <= min_length <= max_length")
+
+  @staticmethod
+  def widths(task: str, max_length: int) -> tuple[int, int]:
+    """The fixed array widths of a task's batches: source, and target + EOS."""
     if task == "add":
-      self.src_length = 2 * max_length + 1
-      self.tgt_length = max_length + 2
-    else:
-      self.src_length = max_length
-      self.tgt_length = max_length + 1
+      return 2 * max_length + 1, max_length + 2
+    return max_length, max_length + 1
 
   def _digits(self, rng: np.random.Generator) -> list[str]:
     n = int(rng.integers(self.min_length, self.max_length + 1))
@@ -102,7 +108,7 @@ class SyntheticData:
   def eval_batches(self, task: Any, split: str, batch_size: int, limit: int) -> list[EvalBatch]:
     """`limit` held-out pairs in batches of `batch_size` rows (the last padded)."""
     if split != "eval":
-      raise ValueError(f"synthetic data has one held-out split, 'eval', not {split!r}")
+      raise UserError(f"synthetic data has one held-out split, 'eval', not {split!r}")
     pairs = self.eval_examples(limit)
     batches = []
     for start in range(0, len(pairs), batch_size):
@@ -136,8 +142,8 @@ class SyntheticBatches:
     valid = (isinstance(state, dict) and set(state) == {"next_index"}
              and isinstance(state["next_index"], int) and state["next_index"] >= 0)
     if not valid:
-      raise ValueError(f"synthetic data iterator state {state!r}: expected "
-                       "{'next_index': <int >= 0>}")
+      raise UserError(f"synthetic data iterator state {state!r}: expected "
+                      "{'next_index': <int >= 0>}")
     self._next_index = state["next_index"]
 
   def stats(self) -> dict[str, int]:

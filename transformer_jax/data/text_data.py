@@ -2,13 +2,17 @@
 interface as the synthetic tasks (tokenizer, target_tokenizer, labels, train_iterator,
 eval_batches).
 
-Tokenizers are trained on the training split at the first run and saved in the workdir
-(`vocab.json`, plus `target_vocab.json` when source and target vocabularies are separate);
-a resumed run and `predict` load them from there. Class or tag names go to `labels.json`.
+Every split is read and checked first. Tokenizers are then trained on the training split at
+the first run and saved in the workdir (`vocab.json`, plus `target_vocab.json` when source
+and target vocabularies are separate) with a record of what they were trained from
+(`tokenizer_identity.json`); a resumed run loads them from there (the trainer refuses
+them if that record differs), and `predict` reads the copy in the checkpoint. Class or tag
+names go to `labels.json`. Every file is written atomically.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any, Iterator, Protocol, Sequence
@@ -17,11 +21,14 @@ import jax
 import numpy as np
 
 from transformer_jax.data import pipeline
-from transformer_jax.data.corpus import Corpus
+from transformer_jax.data.corpus import Corpus, split_names
 from transformer_jax.data.tokenizer import (TARGET_VOCAB_FILE, VOCAB_FILE, SentencePieceTokenizer,
                                             WordVocab, load_tokenizer)
+from transformer_jax.errors import UserError
+from transformer_jax.files import atomic_write_json
 
 LABELS_FILE = "labels.json"
+IDENTITY_FILE = "tokenizer_identity.json"   # what the workdir's tokenizer was trained from
 TOKENIZERS = ("sentencepiece", "words")
 
 
@@ -45,14 +52,18 @@ class TokenizerTraining(Protocol):
   def tokenizer_texts(cls, record: dict) -> tuple[str | list[str], str | None]: ...
 
 
+def check_tokenizer_choice(task: TokenizerTraining, name: str) -> None:
+  if name not in TOKENIZERS:
+    raise UserError(f"data.tokenizer={name!r}: must be one of {TOKENIZERS}")
+  if name not in task.tokenizer_kinds:
+    raise UserError(f"data.tokenizer={name!r} does not fit a {task.name} task: use "
+                    f"{' or '.join(repr(k) for k in task.tokenizer_kinds)}")
+
+
 def _train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: Any,
                       seed: int) -> tuple[Any, Any]:
   name = config.tokenizer
-  if name not in TOKENIZERS:
-    raise ValueError(f"data.tokenizer={name!r}: must be one of {TOKENIZERS}")
-  if name not in task.tokenizer_kinds:
-    raise ValueError(f"data.tokenizer={name!r} does not fit a {task.name} task: use "
-                     f"{' or '.join(repr(k) for k in task.tokenizer_kinds)}")
+  check_tokenizer_choice(task, name)
 
   def texts() -> Iterator[tuple[str | list[str], str | None]]:
     for record in _training_sample(corpus.split(config.train_split),
@@ -76,16 +87,59 @@ def _train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: Any,
   return spm(s for s, _ in texts()), spm(t for _, t in texts())
 
 
+# Data-config fields that change what tokenizer training produces.
+_TOKENIZER_SETTINGS = ("tokenizer", "vocab_size", "spm_model_type", "shared_vocab",
+                       "min_word_count", "tokenizer_max_examples", "train_split")
+
+
+def tokenizer_identity(task: TokenizerTraining, corpus: Corpus, config: Any,
+                       seed: int) -> dict[str, Any]:
+  """What a tokenizer is trained from: the task, the training split's origin (file names and
+  sizes, or the TFDS dataset) and the tokenizer settings (with the seed when sampling), and
+  a hash of all that."""
+  settings = {k: config.get(k) for k in _TOKENIZER_SETTINGS}
+  if config.get("tokenizer_max_examples", 0) > 0:
+    settings["seed"] = seed
+  identity = {"task": task.name, "training_data": corpus.origin(config.train_split),
+              "settings": settings}
+  digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+  return {"hash": digest, **identity}
+
+
+def _check_identity(workdir: str, expected: dict[str, Any]) -> None:
+  """Refuses the workdir's tokenizer if it was trained from other data or settings. A
+  workdir without the record (written by an older version) is trusted."""
+  path = os.path.join(workdir, IDENTITY_FILE)
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    saved = json.load(f)
+  if saved.get("hash") == expected["hash"]:
+    return
+  differing = [k for k in ("task", "training_data", "settings") if saved.get(k) != expected[k]]
+  detail = "; ".join(f"{k}: saved {saved.get(k)} -> now {expected[k]}" for k in differing)
+  raise UserError(f"the tokenizer in {workdir} was trained on other data or settings than "
+                  f"this config gives ({detail}); to start fresh use a new --workdir, or "
+                  f"delete {VOCAB_FILE}, {TARGET_VOCAB_FILE}, their .model files, "
+                  f"{IDENTITY_FILE} and checkpoints/ from {workdir}")
+
+
 def load_or_train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: Any, seed: int,
                              workdir: str | None,
-                             given: tuple[Any, Any] | None = None) -> tuple[Any, Any, str]:
+                             given: tuple[Any, Any] | None = None,
+                             check_identity: bool = False) -> tuple[Any, Any, str]:
   """(source tokenizer, target tokenizer, what happened). Reuses the workdir's saved
-  tokenizers; otherwise takes the `given` ones (a pretrained model's) or trains on the
-  training split, and saves them there (process 0 trains, the other hosts wait and load)."""
+  tokenizers (with check_identity, only if they were made for the same data and settings:
+  others are refused); else takes the `given` ones (a pretrained model's) or trains on the
+  training split, and saves them there with that identity (process 0 trains, the other
+  hosts wait and load)."""
   paths = None
   if workdir:
+    identity = tokenizer_identity(task, corpus, config, seed)
     paths = (os.path.join(workdir, VOCAB_FILE), os.path.join(workdir, TARGET_VOCAB_FILE))
     if os.path.exists(paths[0]):
+      if check_identity:
+        _check_identity(workdir, identity)
       source = load_tokenizer(paths[0])
       target = load_tokenizer(paths[1]) if os.path.exists(paths[1]) else source
       return source, target, f"loaded from {paths[0]}"
@@ -93,36 +147,43 @@ def load_or_train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: An
   if jax.process_count() > 1 and paths:
     from jax.experimental import multihost_utils
     if jax.process_index() == 0:
-      _save(*make(), paths)
+      _save(*make(), paths, identity)
     multihost_utils.sync_global_devices("tokenizer saved")
-    return load_or_train_tokenizers(task, corpus, config, seed, workdir)
+    return load_or_train_tokenizers(task, corpus, config, seed, workdir, given, check_identity)
   source, target = make()
   if paths:
-    _save(source, target, paths)
+    _save(source, target, paths, identity)
   where = f", saved to {paths[0]}" if paths else ""
   origin = "the pretrained model's" if given else f"trained on the {config.train_split} split"
   return source, target, origin + where
 
 
-def _save(source: Any, target: Any, paths: tuple[str, str]) -> None:
+def _save(source: Any, target: Any, paths: tuple[str, str], identity: dict[str, Any]) -> None:
+  """Each file atomically, the identity last: it vouches for the files before it."""
   os.makedirs(os.path.dirname(paths[0]), exist_ok=True)
   source.save(paths[0])
   if target is not source:
     target.save(paths[1])
+  atomic_write_json(os.path.join(os.path.dirname(paths[0]), IDENTITY_FILE), identity,
+                    indent=2, sort_keys=True)
 
 
 class TextData:
   """A corpus made ready for training: tokenizers, training batches, eval buckets."""
 
   def __init__(self, task: TokenizerTraining, corpus: Corpus, data_config: Any, seed: int,
-               workdir: str | None = None, tokenizers: tuple[Any, Any] | None = None):
+               workdir: str | None = None, tokenizers: tuple[Any, Any] | None = None,
+               check_identity: bool = False):
+    """tokenizers: a pretrained model's (init_from), used instead of training new ones.
+    check_identity: refuse a workdir tokenizer made for other data or settings (the
+    trainer's setup asks for it; a reader of a finished workdir need not)."""
     self.labels, self.description = corpus.labels, corpus.description
     self._corpus, self._config, self._seed = corpus, data_config, seed
+    corpus.check_splits(split_names(data_config))   # All data read before anything is saved.
     self.tokenizer, self.target_tokenizer, origin = load_or_train_tokenizers(
-        task, corpus, data_config, seed, workdir, tokenizers)
+        task, corpus, data_config, seed, workdir, tokenizers, check_identity)
     if workdir and self.labels is not None:
-      with open(os.path.join(workdir, LABELS_FILE), "w") as f:
-        json.dump({"labels": self.labels}, f)
+      atomic_write_json(os.path.join(workdir, LABELS_FILE), {"labels": self.labels})
     sizes = sorted({self.tokenizer.vocab_size, self.target_tokenizer.vocab_size})
     self.summary = (f"{self.description}: {len(corpus.split(data_config.train_split)):,} "
                     f"training examples; {self.tokenizer.kind} vocabulary of "
@@ -142,7 +203,7 @@ class TextData:
     shard_index = jax.process_index() if shard_index is None else shard_index
     shard_count = jax.process_count() if shard_count is None else shard_count
     if batch_size % shard_count:
-      raise ValueError(f"batch_size={batch_size} does not split over {shard_count} hosts")
+      raise UserError(f"batch_size={batch_size} does not split over {shard_count} hosts")
     return pipeline.train_iterator(
         self._corpus.split(c.train_split), task,
         batch_size=batch_size // shard_count, max_length=c.max_length, seed=self._seed,

@@ -14,6 +14,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from transformer_jax.data.corpus import Corpus, split_names
+from transformer_jax.errors import UserError
 
 
 class TfdsReading(Protocol):
@@ -28,7 +29,7 @@ class TfdsReading(Protocol):
   def tfds_labels(cls, features: Any, name: str) -> list[str] | None: ...
 
 
-class DatasetNotPreparedError(RuntimeError):
+class DatasetNotPreparedError(UserError, RuntimeError):
   """A TFDS dataset that is not prepared in the data directory and cannot be downloaded."""
 
 
@@ -70,7 +71,7 @@ def _open(name: str, split: str, data_config: Any) -> Any:
     return tfds.data_source(name, split=split, data_dir=data_dir,
                             download=bool(data_config.get("download", False)))
   except tfds.core.registered.DatasetNotFoundError:
-    raise ValueError(f"data.name={name!r}: TFDS has no such dataset") from None
+    raise UserError(f"data.name={name!r}: TFDS has no such dataset") from None
   except Exception as e:  # tfds raises many types here; all mean "cannot read it".
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     where = data_dir or "the default TFDS directory (~/tensorflow_datasets)"
@@ -94,7 +95,7 @@ def _label_names(task: TfdsReading, name: str, data_config: Any) -> list[str] | 
 def tfds_corpus(task: TfdsReading, data_config: Any) -> Corpus:
   name = data_config.name
   if not name:
-    raise ValueError("data.name is empty: give a TFDS dataset, e.g. wmt14_translate/de-en")
+    raise UserError("data.name is empty: give a TFDS dataset, e.g. wmt14_translate/de-en")
   splits = split_names(data_config)
   train = _open(name, data_config.train_split, data_config)  # Fails early if not prepared.
   convert = task.tfds_converter(name, data_config)
@@ -103,4 +104,5 @@ def tfds_corpus(task: TfdsReading, data_config: Any) -> Corpus:
     source = train if split == data_config.train_split else None
     return lambda: _Records(source or _open(name, split, data_config), convert)
   return Corpus({s: loader(s) for s in splits}, _label_names(task, name, data_config),
-                f"TFDS {name}")
+                f"TFDS {name}", origin=lambda split: {"tfds": name, "split": split,
+                                                      "examples": len(train)})

@@ -23,6 +23,8 @@ import sentencepiece as spm
 
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer_jax.data.vocab import SPECIALS, SymbolVocab
+from transformer_jax.errors import MissingFileError, UserError
+from transformer_jax.files import atomic_write, atomic_write_json
 
 # The workdir's tokenizer files (the target one only when source and target vocabularies
 # are separate); checkpoints store them under the same names.
@@ -70,17 +72,22 @@ class SentencePieceTokenizer:
     return self._sp.encode(text, out_type=str)
 
   def save(self, path: str) -> None:
+    """`path` (JSON) and the model file next to it, the JSON last: a reader that finds it
+    finds the model."""
     model_file = os.path.splitext(os.path.basename(path))[0] + ".model"
-    with open(os.path.join(os.path.dirname(path), model_file), "wb") as f:
-      f.write(self.model_proto)
-    with open(path, "w") as f:
-      json.dump({"kind": self.kind, "model_file": model_file}, f)
+    atomic_write(os.path.join(os.path.dirname(path), model_file), self.model_proto)
+    atomic_write_json(path, {"kind": self.kind, "model_file": model_file})
 
   @classmethod
   def load(cls, path: str) -> "SentencePieceTokenizer":
     with open(path) as f:
-      model_file = os.path.join(os.path.dirname(path), json.load(f)["model_file"])
-    with open(model_file, "rb") as f:
+      model_file = json.load(f).get("model_file")
+    # A bare name next to `path`: a JSON file must not make us read files elsewhere.
+    if (not isinstance(model_file, str) or os.path.basename(model_file) != model_file
+        or model_file in ("", ".", "..")):
+      raise UserError(f"{path}: model_file={model_file!r} must be a bare file name in the "
+                      "same directory (no directories, no '..')")
+    with open(os.path.join(os.path.dirname(path), model_file), "rb") as f:
       return cls(f.read())
 
 
@@ -116,7 +123,7 @@ class WordVocab:
     self._itos = list(SPECIALS) + list(SHAPES) + self.words
     self._ids = {w: i for i, w in enumerate(self._itos)}
     if len(self._ids) != len(self._itos):
-      raise ValueError("WordVocab: words must be unique and differ from the special tokens")
+      raise UserError("WordVocab: words must be unique and differ from the special tokens")
 
   @classmethod
   def build(cls, sentences: Iterable[Sequence[str]], min_count: int = 1, max_size: int = 0,
@@ -152,9 +159,8 @@ class WordVocab:
     return " ".join(self._itos[i] for i in ids if i >= len(SPECIALS))
 
   def save(self, path: str) -> None:
-    with open(path, "w") as f:
-      json.dump({"kind": self.kind, "words": self.words,
-                 "normalize_digits": self.normalize_digits}, f)
+    atomic_write_json(path, {"kind": self.kind, "words": self.words,
+                             "normalize_digits": self.normalize_digits})
 
   @classmethod
   def load(cls, path: str) -> "WordVocab":
@@ -225,11 +231,11 @@ _KINDS = {c.kind: c for c in (SymbolVocab, SentencePieceTokenizer, WordVocab,
 def load_tokenizer(path: str):
   """Loads the tokenizer saved at `path` (a workdir's vocab.json), of any kind."""
   if not os.path.exists(path):
-    raise FileNotFoundError(f"no tokenizer at {path}")
+    raise MissingFileError(f"no tokenizer at {path}")
   with open(path) as f:
     kind = json.load(f).get("kind")
   if kind not in _KINDS:
-    raise ValueError(f"{path}: unknown tokenizer kind {kind!r}; known: {sorted(_KINDS)}")
+    raise UserError(f"{path}: unknown tokenizer kind {kind!r}; known: {sorted(_KINDS)}")
   return _KINDS[kind].load(path)
 
 

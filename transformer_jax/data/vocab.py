@@ -12,6 +12,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer_jax.errors import UserError
+from transformer_jax.files import atomic_write_json
 
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
 assert (PAD_ID, BOS_ID, EOS_ID, UNK_ID) == (0, 1, 2, 3)
@@ -28,7 +30,7 @@ def strip_special(ids: Any) -> list[int]:
   return out
 
 
-class UnknownSymbolError(ValueError):
+class UnknownSymbolError(UserError):
   """Input text holds a symbol the vocabulary does not know."""
 
 
@@ -61,8 +63,7 @@ class SymbolVocab:
     return " ".join(self.symbols[i - offset] for i in ids if i >= offset)
 
   def save(self, path: str) -> None:
-    with open(path, "w") as f:
-      json.dump({"kind": self.kind, "symbols": self.symbols}, f)
+    atomic_write_json(path, {"kind": self.kind, "symbols": self.symbols})
 
   @classmethod
   def load(cls, path: str) -> "SymbolVocab":

@@ -11,6 +11,7 @@ from transformer_jax.tasks.base import EvalBatch, Task
 from transformer_jax.tasks.classification import ClassificationTask
 from transformer_jax.tasks.tagging import TaggingTask
 from transformer_jax.tasks.translation import TranslationTask
+from transformer_jax.errors import UserError
 
 TASKS: dict[str, type[Task]] = {
     t.name: t for t in (TranslationTask, ClassificationTask, TaggingTask)}
@@ -18,7 +19,7 @@ TASKS: dict[str, type[Task]] = {
 
 def task_class(name: str) -> type[Task]:
   if name not in TASKS:
-    raise ValueError(f"task={name!r}: must be one of {', '.join(TASKS)}")
+    raise UserError(f"task={name!r}: must be one of {', '.join(TASKS)}")
   return TASKS[name]
 
 

@@ -33,6 +33,7 @@ from transformer_jax.config import PAD_ID, TransformerConfig
 from transformer_jax.data.pipeline import EvalBatch
 from transformer_jax.inputs import check_token_ids
 from transformer_jax.run_config import DecodeOptions
+from transformer_jax.errors import UserError
 
 Batch = dict[str, jax.Array]
 Example = dict[str, np.ndarray]
@@ -71,6 +72,11 @@ def padded_getter(packed: dict[str, np.ndarray], rows: int) -> Callable[[str], n
   return get
 
 
+def check_label_smoothing(value: float) -> None:
+  if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+    raise UserError(f"label_smoothing={value!r}: must be in [0, 1)")
+
+
 class Task(abc.ABC):
   """One kind of task. Subclasses set the class attributes and implement the methods."""
 
@@ -90,10 +96,9 @@ class Task(abc.ABC):
   def __init__(self, model_config: TransformerConfig, *, tokenizer: Any = None,
                target_tokenizer: Any = None, labels: Sequence[str] | None = None,
                label_smoothing: float = 0.0, head: Mapping[str, Any] | None = None):
-    if not 0.0 <= label_smoothing < 1.0:
-      raise ValueError(f"label_smoothing={label_smoothing}: must be in [0, 1)")
+    check_label_smoothing(label_smoothing)
     if self.needs_labels and not labels:
-      raise ValueError(f"a {self.name} task needs label names")
+      raise UserError(f"a {self.name} task needs label names")
     self.model_config, self.label_smoothing = model_config, label_smoothing
     self.tokenizer, self.target_tokenizer = tokenizer, target_tokenizer or tokenizer
     self.labels = list(labels) if labels is not None else None

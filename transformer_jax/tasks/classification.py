@@ -22,6 +22,7 @@ from transformer_jax.tasks.base import (Batch, EvalBatch, EvalStep, Example, Sam
                                         loss_metrics, teacher_forced_sums)
 from transformer_jax.tasks.encoder import EncoderTask
 from transformer_jax.tasks.losses import cross_entropy_sums
+from transformer_jax.errors import UserError
 
 # TFDS feature names (text, label) by dataset family; others use ("text", "label").
 _TFDS_FEATURES = {"glue": ("sentence", "label")}
@@ -48,8 +49,8 @@ class ClassificationTask(EncoderTask):
     """`{split}.tsv`: `sentence<TAB>label` rows; the class names come from data.labels."""
     labels = readers.parse_labels(data_config.labels)
     if len(labels) < 2:
-      raise ValueError(f"data.labels={data_config.labels!r}: give the class names, "
-                       "comma-separated, in label-index order (e.g. 'negative,positive')")
+      raise UserError(f"data.labels={data_config.labels!r}: give the class names, "
+                      "comma-separated, in label-index order (e.g. 'negative,positive')")
 
     def loader(split: str) -> Callable[[], Sequence[dict]]:
       return lambda: readers.read_tsv(readers.find_file(directory, f"{split}.tsv"), labels)
@@ -79,7 +80,7 @@ class ClassificationTask(EncoderTask):
 
   def packing_lengths(self, length: int, max_per_row: int | None) -> dict[str, int]:
     if max_per_row is None:   # One label slot per packed example: their number is the bound.
-      raise ValueError("data.max_segments must be > 0 when packing classification examples")
+      raise UserError("data.max_segments must be > 0 when packing classification examples")
     return {"tokens": length, "label": max_per_row}
 
   def _targets(self, get: Any) -> dict[str, np.ndarray]:

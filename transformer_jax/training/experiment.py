@@ -25,10 +25,13 @@ from jax.sharding import Mesh
 from transformer_jax import checkpoint, run_config, sharding, tasks
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.readers import parse_labels
-from transformer_jax.data.sources import make_source
+from transformer_jax.data.sources import check_data_config, make_source, training_width
 from transformer_jax.data.tokenizer import tokenizer_item
+from transformer_jax.data.vocab import SPECIALS
+from transformer_jax.errors import MissingFileError, UserError
 from transformer_jax.run_config import DecodeOptions, EvalOptions
 from transformer_jax.tasks import Task
+from transformer_jax.tasks.base import check_label_smoothing
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
 from transformer_jax.training.state import TrainState, new_train_state
 from transformer_jax.training.steps import NONFINITE_POLICIES, make_eval_step, make_train_step
@@ -43,32 +46,40 @@ _POSITIVE_FIELDS = ("num_train_steps", "log_every_steps", "eval_every_steps",
 
 
 def validate(config: ml_collections.ConfigDict, task: type[Task]) -> None:
-  """Top-level training fields; model fields are checked by TransformerConfig and the
-  decode/eval groups by their option classes."""
+  """Top-level training fields, the data group's choices, and model.max_len against the
+  data; model fields are checked by TransformerConfig, the decode/eval groups by their
+  option classes (all in Experiment.create, before any data is read)."""
   for field in _POSITIVE_FIELDS:
     value = config[field]
     if not isinstance(value, int) or value < 1:
-      raise ValueError(f"config.{field}={value!r}: must be a positive integer")
+      raise UserError(f"config.{field}={value!r}: must be a positive integer")
   if config.batch_size % config.grad_accum_steps:
-    raise ValueError(f"config.batch_size={config.batch_size} must be divisible by "
-                     f"config.grad_accum_steps={config.grad_accum_steps}")
+    raise UserError(f"config.batch_size={config.batch_size} must be divisible by "
+                    f"config.grad_accum_steps={config.grad_accum_steps}")
   if config.nonfinite not in NONFINITE_POLICIES:
-    raise ValueError(f"config.nonfinite={config.nonfinite!r}: must be one of "
-                     f"{NONFINITE_POLICIES}")
+    raise UserError(f"config.nonfinite={config.nonfinite!r}: must be one of "
+                    f"{NONFINITE_POLICIES}")
   if config.batch_size % jax.process_count():
-    raise ValueError(f"config.batch_size={config.batch_size} must be divisible by the "
-                     f"number of processes ({jax.process_count()})")
+    raise UserError(f"config.batch_size={config.batch_size} must be divisible by the "
+                    f"number of processes ({jax.process_count()})")
   if not isinstance(config.keep_best_checkpoints, int) or config.keep_best_checkpoints < 0:
-    raise ValueError(f"config.keep_best_checkpoints={config.keep_best_checkpoints!r}: must be "
-                     "an integer >= 0 (0: keep only the most recent)")
+    raise UserError(f"config.keep_best_checkpoints={config.keep_best_checkpoints!r}: must be "
+                    "an integer >= 0 (0: keep only the most recent)")
   if config.best_checkpoint_mode not in ("max", "min"):
-    raise ValueError(f"config.best_checkpoint_mode={config.best_checkpoint_mode!r}: must be "
-                     "'max' or 'min'")
-  if config.keep_best_checkpoints:
+    raise UserError(f"config.best_checkpoint_mode={config.best_checkpoint_mode!r}: must be "
+                    "'max' or 'min'")
+  if config.keep_best_checkpoints:   # the only use of the metric: a misspelt one fails here
     names = [f"eval/{m}" for m in task.metric_names]
     if config.best_checkpoint_metric not in names:
-      raise ValueError(f"config.best_checkpoint_metric={config.best_checkpoint_metric!r}: a "
-                       f"{task.name} task reports {', '.join(names)}")
+      raise UserError(f"config.best_checkpoint_metric={config.best_checkpoint_metric!r}: a "
+                      f"{task.name} task reports {', '.join(names)}")
+  check_label_smoothing(config.label_smoothing)
+  check_data_config(task, config.data)
+  width = training_width(config.data)
+  if config.model.max_len < width:
+    raise UserError(f"model.max_len={config.model.max_len} is below the {width} tokens of the "
+                    "training batches (data.max_length); raise model.max_len or lower "
+                    "data.max_length")
 
 
 def model_config(config: ml_collections.ConfigDict, task: type[Task], vocab_size: int,
@@ -83,16 +94,16 @@ def model_config(config: ml_collections.ConfigDict, task: type[Task], vocab_size
     model = {**pretrained, **{k: model[k] for k in FINE_TUNING_FIELDS if k in model}}
     fields, head = tasks.split_model_fields(task, model)
     if fields["vocab_size"] != vocab_size:
-      raise ValueError(f"init_from: the pretrained model has {fields['vocab_size']} source "
+      raise UserError(f"init_from: the pretrained model has {fields['vocab_size']} source "
                        f"ids but its tokenizer {vocab_size}")
     return TransformerConfig.from_dict(fields), head
   fields, head = tasks.split_model_fields(task, model)
   fields["vocab_size"] = vocab_size
   if target_vocab_size is not None:
     if fields.get("share_embeddings", True):   # Equal sizes or not, id i means different pieces.
-      raise ValueError("model.share_embeddings=True needs one vocabulary for source and "
-                       "target, but data.shared_vocab=False gives two; set "
-                       "--config.model.share_embeddings=False")
+      raise UserError("model.share_embeddings=True needs one vocabulary for source and "
+                      "target, but data.shared_vocab=False gives two; set "
+                      "--config.model.share_embeddings=False")
     fields["target_vocab_size"] = target_vocab_size
   return TransformerConfig.from_dict(fields), head
 
@@ -105,12 +116,12 @@ def _pretrained(config: ml_collections.ConfigDict,
   if not path:
     return None
   if not os.path.isdir(path):
-    raise FileNotFoundError(f"init_from={path!r}: no such directory (give an export or "
+    raise MissingFileError(f"init_from={path!r}: no such directory (give an export or "
                             "checkpoint directory)")
   model = checkpoint.read_model(path)
   saved = run_config.upgrade(model.config)
   if saved.get("task", "seq2seq") != task.name:
-    raise ValueError(f"init_from={path!r} holds a {saved.get('task', 'seq2seq')} model; "
+    raise UserError(f"init_from={path!r} holds a {saved.get('task', 'seq2seq')} model; "
                      f"this run's task is {task.name}")
   return dataclasses.replace(model, config=saved)
 
@@ -123,8 +134,19 @@ def _check_same_text_assets(pretrained: checkpoint.Model, source: Any) -> None:
   ours = tokenizer_item(source.tokenizer, source.target_tokenizer,
                         theirs["labels"] if source.labels is None else source.labels)
   if ours != theirs:
-    raise ValueError(f"init_from={pretrained.path!r}: the workdir's tokenizers or the data's "
+    raise UserError(f"init_from={pretrained.path!r}: the workdir's tokenizers or the data's "
                      "labels differ from the pretrained model's; use a fresh --workdir")
+
+
+def _check_model_and_optimizer(config: ml_collections.ConfigDict, task: type[Task]) -> None:
+  """The model group and the optimizer, with stand-in vocabulary sizes (the real ones come
+  from the data): their errors are the same, and come before the data is read."""
+  separate_target = (config.data.source != "synthetic" and task.has_target_text
+                     and not config.data.get("shared_vocab", True))
+  stand_in = 2 * len(SPECIALS)
+  model_cfg, _ = model_config(config, task, stand_in, stand_in if separate_target else None)
+  make_optimizer(config.optimizer, make_schedule(config.optimizer, model_cfg.d_model,
+                                                 config.num_train_steps))
 
 
 @dataclasses.dataclass
@@ -150,9 +172,15 @@ class Experiment:
     `vocab_sizes` (source, separate target or None) and the label names `labels` or
     data.labels. `devices`: the mesh's devices (default: all of this process's backend)."""
     task_cls = tasks.task_class(config.get("task", "seq2seq"))
+    # Every config field and the mesh first: reading data and training a tokenizer can take
+    # minutes, and nothing may be written to the workdir for a config that cannot run.
     validate(config, task_cls)
     decode = DecodeOptions.from_dict(config.decode.to_dict())
     eval_options = EvalOptions.from_dict(config.eval.to_dict())
+    mesh = sharding.make_mesh(config.mesh.to_dict(), list(devices) if devices else None)
+    sharding.check_batch_fits(config.batch_size // config.grad_accum_steps, mesh,
+                              "batch_size/grad_accum_steps")
+    _check_model_and_optimizer(config, task_cls)
     pretrained = _pretrained(config, task_cls)
     source = None
     if data:
@@ -167,7 +195,7 @@ class Experiment:
                      None if target is source.tokenizer else target.vocab_size)
       labels = source.labels
     elif vocab_sizes is None:
-      raise ValueError("without data, give the vocabulary sizes")
+      raise UserError("without data, give the vocabulary sizes")
     elif labels is None and task_cls.needs_labels:
       labels = parse_labels(config.data.get("labels", ""))
     model_cfg, head = model_config(config, task_cls, *vocab_sizes,
@@ -175,9 +203,6 @@ class Experiment:
     task = task_cls(model_cfg, tokenizer=source and source.tokenizer,
                     target_tokenizer=source and source.target_tokenizer, labels=labels,
                     label_smoothing=config.label_smoothing, head=head)
-    mesh = sharding.make_mesh(config.mesh.to_dict(), list(devices) if devices else None)
-    sharding.check_batch_fits(config.batch_size // config.grad_accum_steps, mesh,
-                              "batch_size/grad_accum_steps")
     schedule = make_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
     return cls(config, task, source, mesh, decode, eval_options, schedule,
                make_optimizer(config.optimizer, schedule), pretrained)

@@ -3,9 +3,9 @@ The setup they share (task, data, mesh, optimizer, state shapes) is training/exp
 
 from __future__ import annotations
 
-import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -22,6 +22,9 @@ from transformer_jax.params import count_params
 from transformer_jax.preemption import PreemptionWatcher
 from transformer_jax.training.experiment import Experiment
 from transformer_jax.training.state import checkpoint_arrays, state_from_checkpoint
+from transformer_jax.training.workdir_lock import WorkdirLock
+from transformer_jax.errors import MissingFileError
+from transformer_jax.files import atomic_write_json
 
 CONFIG_FILE = "config.json"
 Samples = list[tuple[str, str, str]]
@@ -70,8 +73,7 @@ def _write_run_files(workdir: str, resolved: dict[str, Any]) -> None:
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() != 0:    # One writer when hosts share the workdir.
     return
-  with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
-    json.dump(resolved, f, indent=2, sort_keys=True)
+  atomic_write_json(os.path.join(workdir, CONFIG_FILE), resolved, indent=2, sort_keys=True)
 
 
 def _assets(experiment: Experiment) -> dict[str, Any]:
@@ -126,14 +128,52 @@ class _TrainLog:
     return summary
 
 
+class _PlainProgress:
+  """tqdm's interface for a log that is not a terminal (CI, nohup, a scheduler): one plain
+  line at each log step instead of carriage-return redraws."""
+
+  def __init__(self, total: int, initial: int, desc: str):
+    self.total, self.n, self.desc = total, initial, desc
+
+  def update(self, n: int = 1) -> None:
+    self.n += n
+
+  def set_postfix(self, **values: str) -> None:
+    fields = " ".join(f"{k}={v}" for k, v in values.items())
+    print(f"{self.desc}: step {self.n}/{self.total} {fields}", file=sys.stderr, flush=True)
+
+  def write(self, line: str) -> None:
+    print(line, flush=True)
+
+  def close(self) -> None:
+    pass
+
+
+def _progress(total: int, initial: int) -> Any:
+  if jax.process_index() != 0:
+    return tqdm(disable=True)
+  if not sys.stderr.isatty():
+    return _PlainProgress(total, initial, "train")
+  return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+
 # ------------------------------------------------------------------------------ training
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains (resuming from W/checkpoints if present), evaluates, and returns the final eval
-  metrics."""
+  metrics. Holds the workdir for the run (a second trainer there is refused) and checks
+  that checkpoints can be written there before anything else."""
   if config.distributed.initialize:     # before anything touches the devices
     sharding.initialize_distributed(config.distributed.coordinator_address,
                                     config.distributed.num_processes,
                                     config.distributed.process_id)
+  if jax.process_index() != 0:          # Process 0 holds the lock for every host.
+    return _train(config, workdir)
+  with WorkdirLock(workdir):
+    checkpoint.check_writable(os.path.join(workdir, CHECKPOINT_DIR))
+    return _train(config, workdir)
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   experiment = Experiment.create(config, workdir)
   task, mesh = experiment.task, experiment.mesh
   eval_batches = experiment.eval_batches(_eval_split(config), experiment.eval.examples)
@@ -166,8 +206,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   log = _TrainLog(writer, config.nonfinite)
   final_metrics: dict[str, float] = {}
   samples: Samples = []
-  progress = tqdm(total=config.num_train_steps, initial=start_step, desc="train",
-                  unit="step", dynamic_ncols=True, disable=jax.process_index() != 0)
+  progress = _progress(config.num_train_steps, start_step)
   preemption = PreemptionWatcher()
   try:
     preemption.start()   # From here SIGTERM/SIGINT stop after the current step.
@@ -187,8 +226,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                              tok_s=f"{summary['perf/tokens_per_sec']:.0f}")
       evaluated = None
       if (step % config.eval_every_steps == 0 or is_last) and not stop:
-        final_metrics, samples = evaluated = evaluate(state.params)
-        writer.write(step, final_metrics)
+        try:
+          final_metrics, samples = evaluated = evaluate(state.params)
+          writer.write(step, final_metrics)
+        except BaseException:
+          # The steps trained so far are kept: step's checkpoint first, then the error.
+          checkpoints.save(step, checkpoint_arrays(state), batches.get_state())
+          checkpoints.wait()
+          raise
         progress.write(f"step {step}: " + ", ".join(f"{k}={v:.4f}"
                                                     for k, v in final_metrics.items()))
       if save:
@@ -238,7 +283,7 @@ def evaluate_saved(config: ml_collections.ConfigDict, workdir: str | None,
   abstract, params_sharding = experiment.abstract_params()   # restored straight onto the mesh
   candidates = [path] if path else checkpoint.models(workdir)
   if not candidates:
-    raise FileNotFoundError(f"{workdir} has no checkpoint or export to evaluate")
+    raise MissingFileError(f"{workdir} has no checkpoint or export to evaluate")
 
   def load(candidate: str) -> tuple[checkpoint.Model, Any]:
     model = checkpoint.read_model(candidate)

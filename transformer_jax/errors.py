@@ -1,0 +1,72 @@
+"""User errors: the one exception type for problems with what the user gave (a config
+field, a data file, a flag, a workdir), and the wrapper every command line's `main` uses.
+
+A UserError ends a command with ONE line on stderr, `error: <message>`, and exit status 2;
+no traceback unless --verbose is given or TRANSFORMER_JAX_TRACEBACK=1 is set. Anything else
+is a bug or an environment failure and keeps its traceback.
+
+  from transformer_jax import errors
+
+  if __name__ == "__main__":
+    errors.run(main)          # absl's app.run(main), with the above
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any, Callable, NoReturn, TypeVar
+
+EXIT_STATUS = 2
+TRACEBACK_ENV = "TRANSFORMER_JAX_TRACEBACK"
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class UserError(ValueError):
+  """A problem the user can fix: the message names the field, file or line, and the fix.
+  A ValueError, so that code catching ValueError (and older tests) still does."""
+
+
+class MissingFileError(UserError, FileNotFoundError):
+  """A file or directory the user named (or that a command needs) does not exist."""
+
+
+def tracebacks_wanted() -> bool:
+  """--verbose on the command line, or TRANSFORMER_JAX_TRACEBACK=1 in the environment."""
+  if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+    return True
+  from absl import flags
+  return bool(flags.FLAGS.is_parsed() and "verbose" in flags.FLAGS and flags.FLAGS.verbose)
+
+
+def exit_with(error: BaseException) -> NoReturn:
+  """Ends the program with the user error's one line on stderr and status 2."""
+  sys.stdout.flush()
+  sys.stderr.write(f"error: {error}\n")
+  sys.stderr.flush()
+  raise SystemExit(EXIT_STATUS)
+
+
+def user_errors(main: F) -> F:
+  """Decorator: a UserError raised by `main` ends the program with one line and status 2
+  (re-raised with its traceback when tracebacks are wanted)."""
+  @functools.wraps(main)
+  def wrapped(*args: Any, **kwargs: Any) -> Any:
+    try:
+      return main(*args, **kwargs)
+    except UserError as e:
+      if tracebacks_wanted():
+        raise
+      exit_with(e)
+  return wrapped  # type: ignore[return-value]
+
+
+def run(main: Callable[[list[str]], Any]) -> None:
+  """absl's `app.run(main)` for a command line: adds --verbose and reports user errors
+  in one line (see the module doc)."""
+  from absl import app, flags
+  if "verbose" not in flags.FLAGS:
+    flags.DEFINE_bool("verbose", False, "On a user error, print the traceback too "
+                      f"(also: {TRACEBACK_ENV}=1).")
+  app.run(user_errors(main))
