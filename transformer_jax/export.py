@@ -45,11 +45,11 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                       "W/exports/step_<S>[_avg<N>] (orbax) or W/serving/step_<S>[_avg<N>] "
                       "(stablehlo).", **define)
   flags.DEFINE_enum("format", "orbax", ["orbax", "stablehlo"], "orbax: a params-only "
-                    "checkpoint for predict; stablehlo: a served model (jax.export).")
+                    "checkpoint for predict; stablehlo: a served model (jax.export).", **define)
   flags.DEFINE_list("platforms", None, "stablehlo: platforms to export for (cpu, cuda, "
-                    "rocm, tpu); default: this machine's.")
+                    "rocm, tpu); default: this machine's.", **define)
   flags.DEFINE_integer("beam_size", None, "stablehlo, translation: beam size baked into the "
-                       "artifact (1 = greedy); default: the run's decode.beam_size.")
+                       "artifact (1 = greedy); default: the run's decode.beam_size.", **define)
 
 
 def export_stablehlo(workdir: str, steps: list[int] | None, output: str | None,
