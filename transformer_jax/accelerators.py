@@ -23,21 +23,25 @@ GiB = 1024 ** 3
 class TpuChip:
   """A Cloud TPU generation as `get_topology_desc` names it ("v5p" in "v5p:2x2x2")."""
 
-  def __init__(self, name: str, device_kind: str, peak_tflops: float, hbm_gib: int):
+  def __init__(self, name: str, device_kind: str, peak_tflops: float, hbm_gib: int,
+               hbm_gb_per_s: float):
     self.name, self.device_kind = name, device_kind
     self.peak_flops, self.hbm_bytes = peak_tflops * 1e12, hbm_gib * GiB
+    self.hbm_bandwidth = hbm_gb_per_s * 1e9
 
   def to_dict(self) -> dict[str, Any]:
     return {"name": self.name, "device_kind": self.device_kind,
-            "peak_bf16_tflops": self.peak_flops / 1e12, "hbm_bytes": self.hbm_bytes}
+            "peak_bf16_tflops": self.peak_flops / 1e12, "hbm_bytes": self.hbm_bytes,
+            "hbm_bandwidth_bytes_per_s": self.hbm_bandwidth}
 
 
-# Published per-chip figures (Cloud TPU system architecture pages): dense bf16 peak, HBM.
+# Published per-chip figures (Cloud TPU system architecture pages): dense bf16 peak TFLOP/s,
+# HBM GiB, HBM bandwidth GB/s.
 TPU_CHIPS = {chip.name: chip for chip in (
-    TpuChip("v4", "TPU v4", 275.0, 32),
-    TpuChip("v5e", "TPU v5 lite", 197.0, 16),
-    TpuChip("v5p", "TPU v5", 459.0, 95),
-    TpuChip("v6e", "TPU v6 lite", 918.0, 32),
+    TpuChip("v4", "TPU v4", 275.0, 32, 1228.0),
+    TpuChip("v5e", "TPU v5 lite", 197.0, 16, 819.0),
+    TpuChip("v5p", "TPU v5", 459.0, 95, 2765.0),
+    TpuChip("v6e", "TPU v6 lite", 918.0, 32, 1640.0),
 )}
 
 

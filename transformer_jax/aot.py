@@ -31,6 +31,8 @@ import contextlib  # noqa: E402
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable  # noqa: E402
@@ -105,6 +107,14 @@ def tpu_topology(name: str) -> Topology:
     raise UsageError(f"--topology={name!r} gave {devices[0].device_kind!r} devices, not "
                      f"{chip.device_kind!r}")
   return Topology(name, chip, tuple(devices))
+
+
+def with_hbm(topology: Topology, hbm_gib: float) -> Topology:
+  """The topology judged against `hbm_gib` per chip instead of the chip's whole HBM (to keep
+  headroom, e.g. for XLA's own reservations or a profiler)."""
+  chip = copy.copy(topology.chip)
+  chip.hbm_bytes = int(hbm_gib * GiB)
+  return dataclasses.replace(topology, chip=chip)
 
 
 # ---------------------------------------------------------------------------- programs
@@ -215,7 +225,24 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
   """Compiles `program` and reports per chip: memory, fits, FLOPs, bytes and XLA's
   estimates."""
   start = time.perf_counter()
-  compiled = program.fn.lower(*program.args).compile()
+  try:
+    compiled = program.fn.lower(*program.args).compile()
+  except jax.errors.JaxRuntimeError as e:
+    # The TPU compiler refuses a program whose buffers exceed HBM; its message gives the
+    # temporaries it needed and the HBM it had.
+    oom = _OUT_OF_MEMORY.search(str(e))
+    if not oom:
+      raise
+    args = _argument_bytes(program.args)
+    total = args + _parse_bytes(oom.group(1))
+    hbm = topology.chip.hbm_bytes
+    return {"compile_s": time.perf_counter() - start, "argument_bytes": args,
+            "temp_bytes": total - args, "total_bytes": total, "hbm_bytes": hbm, "fits": False,
+            "margin_bytes": hbm - total, "xla_error": str(e).strip().splitlines()[0],
+            "model_flops": program.model_flops, "compiled_flops_per_chip": None,
+            "compiled_bytes_accessed_per_chip": None, "xla_optimal_seconds": None,
+            "estimated_step_s": None, "estimated_tokens_per_s_per_chip": None,
+            "estimated_mfu": None, "roofline_step_s": None, "roofline_mfu": None}
   compile_s = time.perf_counter() - start
   memory = compiled_memory(compiled) or {}
   cost = compiled.cost_analysis() or {}
@@ -224,26 +251,50 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
   chips = mesh.size
   hbm = topology.chip.hbm_bytes
   total = memory.get("total_bytes", 0)
-  seconds = cost.get("optimal_seconds")
-  seconds = float(seconds) if seconds and seconds > 0 else None
+  # libtpu 0.0.42 estimates only some generations (v5p here); elsewhere optimal_seconds
+  # comes back negative, which is no estimate: kept raw in the JSON, reported as none.
+  raw_seconds = cost.get("optimal_seconds")
+  seconds = float(raw_seconds) if raw_seconds and raw_seconds > 0 else None
+  flops, bytes_accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+  chip = topology.chip
+  # Not XLA's estimate: the compiled program's FLOPs at peak or its bytes at HBM bandwidth,
+  # whichever takes longer; a lower bound on the step time that every generation gets.
+  roofline = max(flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth) or None
   result: dict[str, Any] = {
       "compile_s": compile_s, **memory, "hbm_bytes": hbm, "fits": total <= hbm,
       "margin_bytes": hbm - total,
       "model_flops": program.model_flops,
-      "compiled_flops_per_chip": float(cost.get("flops", 0.0)),
-      "compiled_bytes_accessed_per_chip": float(cost.get("bytes accessed", 0.0)),
-      "estimated_step_s": seconds, "estimated_tokens_per_s_per_chip": None,
-      "estimated_mfu": None,
+      "compiled_flops_per_chip": flops, "compiled_bytes_accessed_per_chip": bytes_accessed,
+      "xla_optimal_seconds": raw_seconds, "estimated_step_s": seconds,
+      "estimated_tokens_per_s_per_chip": None, "estimated_mfu": None,
+      "roofline_step_s": roofline, "roofline_mfu": None,
   }
+  if roofline and program.model_flops:
+    result["roofline_mfu"] = program.model_flops / (roofline * chips * chip.peak_flops)
   if seconds and program.tokens:
     result["estimated_tokens_per_s_per_chip"] = program.tokens / seconds / chips
   if seconds and program.model_flops:
-    result["estimated_mfu"] = program.model_flops / (seconds * chips * topology.chip.peak_flops)
+    result["estimated_mfu"] = program.model_flops / (seconds * chips * chip.peak_flops)
   if program.name == "decode":
     # A while loop: XLA's cost analysis counts its body once (one decoding step, plus the
     # encoder and the cache set-up), so its FLOPs and time are not a whole decode.
     result["note"] = "cost counts the decoding loop body once"
   return result
+
+
+_OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory.*?\(([\d.]+[KMGT]?)\)",
+                           re.DOTALL)
+
+
+def _parse_bytes(text: str) -> int:
+  scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}.get(text[-1], 1)
+  return int(float(text.rstrip("KMGT")) * scale)
+
+
+def _argument_bytes(args: Any) -> int:
+  """Bytes of one device's shards of abstract arguments (the largest shard of each)."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree_util.tree_leaves(args))
 
 
 def _gib(n: float | None) -> str:
@@ -268,7 +319,8 @@ def format_report(header: str, results: dict[str, dict[str, Any]]) -> str:
   row("fits", lambda r: ("yes" if r["fits"] else "NO") + f" ({r['margin_bytes'] / GiB:+.2f} GiB)")
   row("model FLOPs/step (TFLOP, all chips)",
       lambda r: "-" if r["model_flops"] is None else f"{r['model_flops'] / 1e12:.2f}")
-  row("compiled FLOPs (TFLOP/chip)", lambda r: f"{r['compiled_flops_per_chip'] / 1e12:.3f}")
+  row("compiled FLOPs (TFLOP/chip)", lambda r: "-" if r["compiled_flops_per_chip"] is None
+      else f"{r['compiled_flops_per_chip'] / 1e12:.3f}")
   row("compiled bytes accessed (GiB/chip)",
       lambda r: _gib(r["compiled_bytes_accessed_per_chip"]))
   row("est. step time (ms) [XLA cost model]",
@@ -278,14 +330,20 @@ def format_report(header: str, results: dict[str, dict[str, Any]]) -> str:
                  else f"{r['estimated_tokens_per_s_per_chip']:,.0f}"))
   row("est. MFU [XLA cost model]",
       lambda r: "-" if r["estimated_mfu"] is None else f"{100 * r['estimated_mfu']:.1f}%")
+  row("roofline step time (ms) [lower bound]",
+      lambda r: "-" if r["roofline_step_s"] is None else f"{1e3 * r['roofline_step_s']:.2f}")
+  row("roofline MFU [upper bound]",
+      lambda r: "-" if r["roofline_mfu"] is None else f"{100 * r['roofline_mfu']:.1f}%")
   width = max(len(label) for label, _ in rows)
   cols = [max(len(n), *(len(v[i]) for _, v in rows)) for i, n in enumerate(names)]
   lines = [header, f"{'':<{width}}  " + "  ".join(f"{n:>{c}}" for n, c in zip(names, cols))]
   lines += [f"{label:<{width}}  " + "  ".join(f"{v:>{c}}" for v, c in zip(values, cols))
             for label, values in rows]
   notes = [f"{n}: {results[n]['note']}" for n in names if "note" in results[n]]
-  lines += [f"note: {ESTIMATE_NOTE}; model FLOPs: transformer_jax/flops.py; tokens: "
-            "source + target array tokens (padding included)."] + [f"note: {n}" for n in notes]
+  lines += [f"note: {ESTIMATE_NOTE} ('-': XLA gave no estimate for this chip); roofline: "
+            "the compiled FLOPs at peak or bytes at HBM bandwidth, whichever is slower (our "
+            "bound, not XLA's); model FLOPs: transformer_jax/flops.py; tokens: source + "
+            "target array tokens (padding included)."] + [f"note: {n}" for n in notes]
   return "\n".join(lines)
 
 
@@ -404,10 +462,15 @@ def sweep_layouts(config: ml_collections.ConfigDict, topology: Topology, vocab_s
       row["skipped"] = str(e)
     log(_layout_line(row))
     rows.append(row)
-  ok = [r for r in rows if r.get("fits") and r.get("estimated_step_s")]
+  ok = [r for r in rows if r.get("fits") and _step_s(r)]
   if ok:
-    min(ok, key=lambda r: (r["estimated_step_s"], r["total_bytes"]))["best"] = True
+    min(ok, key=lambda r: (_step_s(r), r["total_bytes"]))["best"] = True
   return rows
+
+
+def _step_s(r: dict[str, Any]) -> float | None:
+  """XLA's estimate where it gives one, else the roofline bound (same chip throughout)."""
+  return r.get("estimated_step_s") or r.get("roofline_step_s")
 
 
 def _layout_line(r: dict[str, Any]) -> str:
@@ -416,14 +479,15 @@ def _layout_line(r: dict[str, Any]) -> str:
     return f"{head}  skipped: {r['skipped']}"
   step = "-" if r["estimated_step_s"] is None else f"{1e3 * r['estimated_step_s']:.1f}"
   mfu = "-" if r["estimated_mfu"] is None else f"{100 * r['estimated_mfu']:.1f}%"
+  roof = "-" if r.get("roofline_step_s") is None else f"{1e3 * r['roofline_step_s']:.1f}"
   tok = ("-" if r["estimated_tokens_per_s_per_chip"] is None
          else f"{r['estimated_tokens_per_s_per_chip']:,.0f}")
   return (f"{head}  {r['total_bytes'] / GiB:>9.2f} {'yes' if r['fits'] else 'NO':>4} "
-          f"{step:>9} {tok:>11} {mfu:>6}{'  <- best' if r['best'] else ''}")
+          f"{step:>9} {tok:>11} {mfu:>6} {roof:>11}{'  <- best' if r['best'] else ''}")
 
 
-LAYOUT_HEADER = ("data fsdp tensor  GiB/chip fits   step ms  tok/s/chip    MFU   "
-                 "(step, tokens/s, MFU: XLA cost-model estimates)")
+LAYOUT_HEADER = ("data fsdp tensor  GiB/chip fits   step ms  tok/s/chip    MFU  roofline ms"
+                 "   (step, tokens/s, MFU: XLA cost-model estimates; roofline: lower bound)")
 
 
 # ---------------------------------------------------------------------------------- CLI
@@ -449,6 +513,8 @@ def main(argv: list[str]) -> None:
       (lambda s: print(s, flush=True))
   try:
     topology = tpu_topology(FLAGS.topology)
+    if FLAGS.hbm_gib:
+      topology = with_hbm(topology, FLAGS.hbm_gib)
     vocab_size = vocab_size_of(config)
     chips = len(topology.devices)
     model_cfg = model_config(config, vocab_size)
@@ -528,6 +594,8 @@ def _define_flags() -> None:
                     "fits, by compiling (bisection).")
   flags.DEFINE_float("batch_tolerance", 0.0, "--find_max_batch stops when the bracket is "
                      "within this fraction of the batch (0: exact, to one step).")
+  flags.DEFINE_float("hbm_gib", None, "Judge fitting against this many GiB per chip instead "
+                     "of the chip's HBM (headroom).", lower_bound=0.001)
   flags.DEFINE_bool("sweep_layouts", False, "Compile the train step under every (data, fsdp, "
                     "tensor) layout of the chips and mark the best.")
 
