@@ -25,6 +25,7 @@ import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
+from transformer_jax.accelerators import KNOWN_PEAKS, compiled_memory  # noqa: F401 (re-exported)
 from transformer_jax.config import BOS_ID, PAD_ID, UNK_ID, TransformerConfig
 from transformer_jax.modules.models import REMAT_POLICIES
 from transformer_jax.errors import UserError
@@ -206,20 +207,6 @@ def compile_jitted(fn: Callable, *args: Any) -> tuple[Any, dict[str, float]]:
                     "compile_cpu_s": time.process_time() - cpu_start}
 
 
-def compiled_memory(compiled: Any) -> dict[str, int] | None:
-  """XLA's static memory plan of an executable (arguments, outputs, temporaries)."""
-  try:
-    m = compiled.memory_analysis()
-  except Exception:  # Not every backend implements it.
-    return None
-  if m is None:
-    return None
-  return {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
-          "temp_bytes": m.temp_size_in_bytes, "alias_bytes": m.alias_size_in_bytes,
-          "total_bytes": (m.argument_size_in_bytes + m.output_size_in_bytes
-                          + m.temp_size_in_bytes - m.alias_size_in_bytes)}
-
-
 def peak_memory_bytes() -> int | None:
   """The device's peak allocated bytes where the backend reports it (GPU/TPU; not CPU)."""
   stats = jax.devices()[0].memory_stats()
@@ -227,18 +214,6 @@ def peak_memory_bytes() -> int | None:
 
 
 # ------------------------------------------------------------------------ device and peak
-# Dense (no sparsity) peak TFLOP/s: (bfloat16, float32 as JAX computes it by default).
-# NVIDIA: float32 matmuls run on TF32 tensor cores at JAX's default precision, so the TF32
-# peak is the relevant one. TPU: float32 matmuls use bfloat16 passes by default.
-# First match of the substring in the device kind wins.
-KNOWN_PEAKS = [
-    ("H100 PCIe", 756.0, 378.0), ("H100 NVL", 835.0, 418.0), ("H100", 989.4, 494.7),
-    ("H200", 989.4, 494.7), ("A100", 312.0, 156.0), ("L4", 121.0, 60.0),
-    ("TPU v4", 275.0, 275.0), ("TPU v5 lite", 197.0, 197.0), ("TPU v5", 459.0, 459.0),
-    ("TPU v6 lite", 918.0, 918.0),
-]
-
-
 def device_info() -> dict[str, Any]:
   d = jax.devices()[0]
   return {"platform": d.platform, "kind": d.device_kind, "count": jax.device_count(),

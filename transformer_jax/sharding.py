@@ -39,9 +39,10 @@ class MeshError(UserError):
   """A mesh that does not fit the devices, or a batch that does not fit the mesh."""
 
 
-def resolve_mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ...]:
+def resolve_mesh_shape(sizes: dict[str, int], num_devices: int,
+                       platform: str | None = None) -> tuple[int, ...]:
   """Sizes per MESH_AXES with at most one -1 ("the remaining devices"); their product must
-  be the device count."""
+  be the device count. `platform` names the devices in errors (default: JAX's backend)."""
   unknown = [k for k in sizes if k not in MESH_AXES]
   if unknown:
     raise MeshError(f"unknown mesh axes {unknown}; the mesh axes are {MESH_AXES}")
@@ -59,15 +60,16 @@ def resolve_mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ..
     shape[shape.index(-1)] = num_devices // known
   if math.prod(shape) != num_devices:
     raise MeshError(f"mesh {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices but "
-                    f"{num_devices} are available ({jax.default_backend()}); make the product "
+                    f"{num_devices} are available ({platform or jax.default_backend()}); make the product "
                     "of data*fsdp*tensor equal the device count, or set one axis to -1")
   return tuple(shape)
 
 
 def make_mesh(sizes: dict[str, int], devices: list | None = None) -> Mesh:
-  """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes)."""
+  """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes;
+  `aot` passes the compile-only devices of a TPU topology)."""
   devices = jax.devices() if devices is None else list(devices)
-  shape = resolve_mesh_shape(dict(sizes), len(devices))
+  shape = resolve_mesh_shape(dict(sizes), len(devices), devices[0].device_kind)
   # Auto axes: shardings are given at jit boundaries and XLA propagates them inside.
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
                        devices=devices)
@@ -106,6 +108,18 @@ def shardings_for(boxed_tree: Any, mesh: Mesh,
                     "; ".join(unfit[:8]) + (f"; ... {len(unfit) - 8} more" if len(unfit) > 8
                                             else ""))
   return jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in fitted])
+
+
+def abstract_sharded(init_fn: Callable[[], Any], mesh: Mesh,
+                     rules: tuple = LOGICAL_AXIS_RULES) -> tuple[Any, Any]:
+  """What `create_sharded` would create, without allocating: `jax.ShapeDtypeStruct`s carrying
+  the shardings (for ahead-of-time compilation, see aot.py), and the shardings."""
+  boxed = jax.eval_shape(init_fn)
+  shardings = shardings_for(boxed, mesh, rules)
+  shapes = jax.tree_util.tree_map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      nn.meta.unbox(boxed), shardings)
+  return shapes, shardings
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

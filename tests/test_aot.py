@@ -1,0 +1,131 @@
+"""Ahead-of-time compilation for TPU topologies (transformer_jax.aot), on this CPU machine.
+
+Needs libtpu (requirements-tpu.txt); skipped without it. Models are tiny so that each TPU
+compile takes seconds."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                reason="libtpu is not installed (pip install -r "
+                                "requirements-tpu.txt)")
+
+from configs import default  # noqa: E402
+from transformer_jax import aot, sharding  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# One layer each way, d_model 32, 4 heads: the programs of train.py at a size that compiles
+# in seconds.
+TINY = ["--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
+        "--config.model.d_model=32", "--config.model.d_ff=64"]
+
+
+def tiny_config(batch_size: int = 64):
+  config = default.get_config()
+  config.model.update(num_encoder_layers=1, num_decoder_layers=1, d_model=32, d_ff=64)
+  config.batch_size = batch_size
+  return config
+
+
+def train_step(batch_size: int, topology: str, **mesh: int) -> dict:
+  return _train_step(batch_size, topology, tuple(sorted(mesh.items())))
+
+
+@functools.lru_cache(maxsize=None)   # Compiles are the cost of these tests: one per case.
+def _train_step(batch_size: int, topology: str, mesh: tuple) -> dict:
+  topo = aot.tpu_topology(topology)
+  config = tiny_config(batch_size)
+  return aot.compile_train_step(config, topo, sharding.make_mesh(dict(mesh), topo.devices),
+                                aot.vocab_size_of(config))
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CPU test flags
+  env["PYTHONPATH"] = ROOT
+  return subprocess.run([sys.executable, "-m", "transformer_jax.aot",
+                         f"--config={ROOT}/configs/default.py", *TINY, *args],
+                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x2"])
+def test_compiles_under_data_fsdp_and_tensor_meshes(topology):
+  chips = len(aot.tpu_topology(topology).devices)
+  results = {name: train_step(64, topology, **mesh) for name, mesh in
+             [("data", dict(data=chips)), ("fsdp", dict(fsdp=chips)),
+              ("tensor", dict(data=chips // 4, tensor=4))]}
+  for r in results.values():
+    assert r["fits"] and 0 < r["total_bytes"] < r["hbm_bytes"]
+    assert r["compiled_flops_per_chip"] > 0 and r["estimated_step_s"] > 0
+    assert 0 < r["estimated_mfu"] < 1
+  # Sharding the state over fsdp or tensor leaves each chip less of it than replication.
+  assert results["fsdp"]["argument_bytes"] < results["data"]["argument_bytes"]
+  assert results["tensor"]["argument_bytes"] < results["data"]["argument_bytes"]
+
+
+def test_reported_memory_grows_with_batch():
+  small = train_step(64, "v5e:2x2", data=4)
+  large = train_step(512, "v5e:2x2", data=4)
+  assert large["temp_bytes"] > small["temp_bytes"]
+  assert large["total_bytes"] > small["total_bytes"]
+  assert large["argument_bytes"] >= small["argument_bytes"]   # the batch is an argument too
+
+
+def test_every_program_compiles_and_reports():
+  topo = aot.tpu_topology("v5e:2x2")
+  config = tiny_config()
+  mesh = sharding.make_mesh(dict(fsdp=4), topo.devices)
+  programs = aot.build_programs(config, mesh, aot.vocab_size_of(config))
+  assert [p.name for p in programs] == list(aot.PROGRAMS)
+  results = {p.name: aot.compile_program(p, topo, mesh) for p in programs[1:]}
+  results["train_step"] = train_step(64, "v5e:2x2", fsdp=4)   # compiled above
+  assert all(r["fits"] and r["total_bytes"] > 0 for r in results.values())
+  text = aot.format_report("header", results)
+  assert "XLA cost model" in text and "not measurements" in text
+
+
+def test_too_large_for_v5e_does_not_fit_and_says_why():
+  proc = run_cli("--topology=v5e:2x2", "--programs=train_step",
+                 "--config.batch_size=4194304")
+  assert proc.returncode == 1, proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert "Traceback" not in proc.stderr
+  assert lines[-1].startswith("does not fit: train_step needs")
+  assert "GiB more than the 16 GiB" in lines[-1]
+  assert "fsdp" in lines[-1] and "remat" in lines[-1] and "more chips" in lines[-1]
+
+
+def test_user_errors_exit_2_without_traceback():
+  proc = run_cli("--topology=v9z:2x2")
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith("error: --topology='v9z:2x2'")
+  proc = run_cli("--topology=v5e:2x2", "--config.mesh.data=3")
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert "mesh" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_find_max_batch_fits_and_twice_does_not():
+  # Judged against 32 MiB per chip instead of 16 GiB: the same search, at batches that
+  # compile in seconds; stopped when the bracket is within half of the batch found.
+  topo = aot.with_hbm(aot.tpu_topology("v5e:2x2"), 32 / 1024)
+  config = tiny_config()
+  mesh = sharding.make_mesh(dict(data=4), topo.devices)
+  batch, results = aot.find_max_batch(config, topo, mesh, aot.vocab_size_of(config),
+                                      tolerance=0.5)
+  assert batch > 0 and batch % 4 == 0 and results[batch]["fits"]
+  assert results[batch]["total_bytes"] > 0.5 * topo.chip.hbm_bytes
+  twice = results.get(2 * batch) or aot.compile_train_step(
+      tiny_config(2 * batch), topo, mesh, aot.vocab_size_of(config))
+  assert not twice["fits"]
+
+
+def test_layouts_are_every_factorisation():
+  assert sorted(aot.layouts(4)) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1),
+                                    (4, 1, 1)]
+  assert all(d * f * t == 32 for d, f, t in aot.layouts(32)) and len(aot.layouts(32)) == 21
