@@ -41,21 +41,20 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 
-from transformer_jax import decoding, sharding  # noqa: E402
+from transformer_jax import decoding, errors, sharding  # noqa: E402
+from transformer_jax.errors import UserError  # noqa: E402
 from transformer_jax.accelerators import GiB, TPU_CHIPS, TpuChip, compiled_memory  # noqa: E402
 from transformer_jax.config import TransformerConfig  # noqa: E402
 from transformer_jax.flops import model_flops  # noqa: E402
-from transformer_jax.training.optimizers import make_optimizer, make_schedule  # noqa: E402
-from transformer_jax.training.state import new_train_state  # noqa: E402
-from transformer_jax.training.steps import make_eval_step, make_train_step  # noqa: E402
-from transformer_jax.training.tasks import make_task  # noqa: E402
+from transformer_jax.data.synthetic import SyntheticData  # noqa: E402
+from transformer_jax.training.experiment import Experiment  # noqa: E402
 
 PROGRAMS = ("train_step", "eval_step", "decode")
 ESTIMATE_NOTE = ("estimated step time, tokens/s and MFU are XLA's TPU cost-model estimates "
                  "(compiled here, without a TPU), not measurements")
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
   """A topology, mesh or config that cannot be compiled as asked (exit status 2)."""
 
 
@@ -143,29 +142,37 @@ def vocab_size_of(config: ml_collections.ConfigDict) -> int:
   return int(data.vocab_size)
 
 
-def _sequence_lengths(config: ml_collections.ConfigDict) -> tuple[tuple[str, ...], int, int]:
-  """(batch keys, source width, target width) of training batches."""
+def _training_widths(config: ml_collections.ConfigDict) -> tuple[int, int]:
+  """(source, target) widths of the training batches the data group gives."""
   data = config.data
   if data.source == "synthetic":
-    from transformer_jax.data.synthetic import SyntheticTask
-    task = SyntheticTask(data.task, data.min_length, data.max_length, config.seed)
-    return ("src", "tgt_in", "tgt_out"), task.src_length, task.tgt_length
-  keys = ("src", "src_positions", "src_segment_ids", "tgt_in", "tgt_out", "tgt_positions",
-          "tgt_segment_ids")                       # packed rows (data/pipeline.py)
-  return keys, data.max_length, data.max_length
+    return SyntheticData.widths(data.synthetic_task, data.max_length)
+  return data.max_length, data.max_length        # packed rows (data/pipeline.py)
 
 
-def _batch(keys: tuple[str, ...], rows: int, src_len: int, tgt_len: int,
-           spec: Any) -> dict[str, jax.ShapeDtypeStruct]:
-  return {k: jax.ShapeDtypeStruct((rows, src_len if k.startswith("src") else tgt_len),
-                                  jnp.int32, sharding=spec) for k in keys}
+def _batch(experiment: Experiment, rows: int, src_len: int,
+           tgt_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+  """The batch the run feeds, `rows` rows (source `src_len`, target `tgt_len` tokens wide),
+  batch-sharded on the experiment's mesh: the task's packed-batch keys, or the synthetic
+  data's own (unpacked: no positions or segment ids)."""
+  spec = sharding.batch_sharding(experiment.mesh)
+  keys = experiment.task.batch_spec(rows, max(src_len, tgt_len))
+  if experiment.config.data.source == "synthetic":
+    keys = {k: v for k, v in keys.items() if k in SyntheticData.BATCH_KEYS}
+  width = lambda k: src_len if k.startswith("src") else tgt_len
+  return {k: jax.ShapeDtypeStruct((rows, width(k)), v.dtype, sharding=spec)
+          for k, v in keys.items()}
 
 
-def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> TransformerConfig:
-  values = {**config.model.to_dict(), "vocab_size": vocab_size}
-  if not config.data.get("shared_vocab", True):
-    values["target_vocab_size"] = vocab_size  # Separate tokenizers of the same size.
-  return TransformerConfig.from_dict(values)
+def experiment_for(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
+                   vocab_size: int) -> Experiment:
+  """The run's setup as train.py builds it, on `mesh`, without reading any data."""
+  separate = None if config.data.get("shared_vocab", True) else vocab_size
+  experiment = Experiment.create(config, data=False, vocab_sizes=(vocab_size, separate),
+                                 mesh=mesh)
+  if not experiment.task.has_target_text:
+    raise UsageError(f"task={config.task!r}: aot compiles translation (seq2seq) configs")
+  return experiment
 
 
 def build_programs(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
@@ -173,47 +180,35 @@ def build_programs(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
   """The jitted programs of a training run (train.py) with abstract, sharded arguments:
   the train step on a `batch_size` x `data.max_length` batch with the donated, sharded
   state; the eval step on the longest evaluation bucket; beam search as evaluation runs it
-  (parameters in their training layout, the source rows as a host array: replicated)."""
-  if config.get("task", "seq2seq") != "seq2seq":
-    raise UsageError(f"task={config.task!r}: aot compiles seq2seq (translation) configs")
-  model_cfg = model_config(config, vocab_size)
-  task = make_task("seq2seq", model_cfg, label_smoothing=config.label_smoothing,
-                   decode=config.decode)
-  schedule = make_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
-  optimizer = make_optimizer(config.optimizer, schedule)
-  state, state_sharding = sharding.abstract_sharded(
-      lambda: new_train_state(task.init_params(jax.random.PRNGKey(config.seed)), optimizer,
-                              config.seed), mesh)
-  batch_spec = sharding.batch_sharding(mesh)
-  keys, src_len, tgt_len = _sequence_lengths(config)
+  (parameters in their training layout, the source rows as a host array: replicated). All
+  three come from the run's Experiment, as in train.py."""
+  experiment = experiment_for(config, mesh, vocab_size)
+  model_cfg = experiment.model_config
+  state, state_sharding = experiment.abstract_state()
+  src_len, tgt_len = _training_widths(config)
   programs = []
   if "train_step" in names:
     rows = config.batch_size
-    sharding.check_batch_fits(rows // config.grad_accum_steps, mesh,
-                              "batch_size/grad_accum_steps")
-    fn = make_train_step(task, optimizer, schedule, config.grad_accum_steps, state_sharding,
-                         batch_spec)
-    programs.append(Program("train_step", fn,
-                            (state, _batch(keys, rows, src_len, tgt_len, batch_spec)),
+    programs.append(Program("train_step", experiment.train_step(state_sharding),
+                            (state, _batch(experiment, rows, src_len, tgt_len)),
                             model_flops(model_cfg, rows, src_len, tgt_len)["total"],
                             rows * (src_len + tgt_len)))
   eval_len = config.data.get("eval_max_length", None)
   eval_src, eval_tgt = (src_len, tgt_len) if eval_len is None else (eval_len, eval_len)
   # Evaluation pads its batches with empty rows to a multiple of data*fsdp (loop.py).
-  eval_rows = -(-config.decode.batch_size // sharding.batch_ways(mesh)) * sharding.batch_ways(mesh)
+  ways = sharding.batch_ways(mesh)
+  eval_rows = -(-experiment.eval.batch_size // ways) * ways
   if "eval_step" in names:
-    fn = make_eval_step(task, state_sharding.params, batch_spec)
-    programs.append(Program("eval_step", fn,
-                            (state.params, _batch(keys, eval_rows, eval_src, eval_tgt,
-                                                  batch_spec)),
+    programs.append(Program("eval_step", experiment.eval_step(state_sharding.params),
+                            (state.params, _batch(experiment, eval_rows, eval_src, eval_tgt)),
                             model_flops(model_cfg, eval_rows, eval_src, eval_tgt,
                                         training=False)["total"],
                             eval_rows * (eval_src + eval_tgt)))
   if "decode" in names:
-    max_length = min(eval_tgt + config.decode.max_extra_length, model_cfg.max_len)
-    fn = decoding.compiled_search(model_cfg, int(config.decode.beam_size),
-                                  float(config.decode.alpha), int(max_length))
-    src = jax.ShapeDtypeStruct((config.decode.batch_size, eval_src), jnp.int32,
+    decode = experiment.decode
+    max_length = min(eval_tgt + decode.max_extra_length, model_cfg.max_len)
+    fn = decoding.compiled_search(model_cfg, decode.beam_size, decode.alpha, max_length)
+    src = jax.ShapeDtypeStruct((experiment.eval.batch_size, eval_src), jnp.int32,
                                sharding=sharding.replicated(mesh))
     programs.append(Program("decode", fn, (state.params, src), None, None))
   return programs
@@ -517,7 +512,9 @@ def main(argv: list[str]) -> None:
       topology = with_hbm(topology, FLAGS.hbm_gib)
     vocab_size = vocab_size_of(config)
     chips = len(topology.devices)
-    model_cfg = model_config(config, vocab_size)
+    model_cfg = experiment_for(config, sharding.make_mesh(config.mesh.to_dict(),
+                                                          topology.devices),
+                               vocab_size).model_config
     chip = topology.chip
     header = (f"{config_path} on {topology.name}: {chips} x {chip.device_kind} "
               f"({chip.hbm_bytes / GiB:.0f} GiB HBM, {chip.peak_flops / 1e12:.0f} TFLOP/s dense "
@@ -606,4 +603,4 @@ if __name__ == "__main__":
     _define_flags()
   except (AttributeError, KeyError) as e:   # An override of a field the config lacks.
     _fail(f"unknown config field {e}", 2)
-  app.run(main)
+  errors.run(main)

@@ -173,12 +173,6 @@ def abstract(tree: Any) -> Any:
       tree)
 
 
-def with_shardings(shapes: Any, shardings: Any) -> Any:
-  """ShapeDtypeStructs of `shapes` carrying `shardings` (a matching tree)."""
-  return jax.tree_util.tree_map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-
-
 def initialize_distributed(coordinator_address: str = "", num_processes: int = 0,
                            process_id: int = -1) -> None:
   """Multi-host start-up: one process per host (or per GPU), all running the same program.

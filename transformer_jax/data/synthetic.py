@@ -38,6 +38,7 @@ class SyntheticData:
   packing; the batches are encoded here, so the run's task is not needed to featurize."""
 
   labels = None
+  BATCH_KEYS = ("src", "tgt_in", "tgt_out")    # padded rows: no positions or segment ids
 
   def __init__(self, task: str, min_length: int, max_length: int, seed: int):
     self.check(task, min_length, max_length)
@@ -91,7 +92,7 @@ class SyntheticData:
       src[row, : len(s)] = s
       tgt_in[row, : len(t) + 1] = [BOS_ID] + t
       tgt_out[row, : len(t) + 1] = t + [EOS_ID]
-    return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
+    return dict(zip(self.BATCH_KEYS, (src, tgt_in, tgt_out)))
 
   def batch(self, stream: str, index: int, batch_size: int) -> dict[str, np.ndarray]:
     return self.encode_batch(self.examples(stream, index, batch_size))

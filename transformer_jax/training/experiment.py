@@ -16,7 +16,6 @@ import dataclasses
 import os
 from typing import Any, Callable, Sequence
 
-import flax.linen as nn
 import jax
 import ml_collections
 import optax
@@ -165,19 +164,21 @@ class Experiment:
   @classmethod
   def create(cls, config: ml_collections.ConfigDict, workdir: str | None = None, *,
              data: bool = True, vocab_sizes: tuple[int, int | None] | None = None,
-             labels: Sequence[str] | None = None,
-             devices: Sequence[Any] | None = None) -> "Experiment":
+             labels: Sequence[str] | None = None, devices: Sequence[Any] | None = None,
+             mesh: Mesh | None = None) -> "Experiment":
     """Validates the config, then builds the data (tokenizers trained or reloaded in the
     workdir) and the rest. With data=False nothing is read: the vocabulary sizes are
     `vocab_sizes` (source, separate target or None) and the label names `labels` or
-    data.labels. `devices`: the mesh's devices (default: all of this process's backend)."""
+    data.labels. `devices`: the mesh's devices (default: all of this process's backend);
+    `mesh`: a ready mesh instead of config.mesh over them (aot's layout sweep)."""
     task_cls = tasks.task_class(config.get("task", "seq2seq"))
     # Every config field and the mesh first: reading data and training a tokenizer can take
     # minutes, and nothing may be written to the workdir for a config that cannot run.
     validate(config, task_cls)
     decode = DecodeOptions.from_dict(config.decode.to_dict())
     eval_options = EvalOptions.from_dict(config.eval.to_dict())
-    mesh = sharding.make_mesh(config.mesh.to_dict(), list(devices) if devices else None)
+    if mesh is None:
+      mesh = sharding.make_mesh(config.mesh.to_dict(), list(devices) if devices else None)
     sharding.check_batch_fits(config.batch_size // config.grad_accum_steps, mesh,
                               "batch_size/grad_accum_steps")
     _check_model_and_optimizer(config, task_cls)
@@ -230,21 +231,17 @@ class Experiment:
   def abstract_state(self) -> tuple[TrainState, Any]:
     """The state's shapes and dtypes with their shardings (nothing allocated), and the
     shardings."""
-    shardings = sharding.shardings_for(jax.eval_shape(self._new_state), self.mesh)
-    shapes = jax.eval_shape(lambda: nn.meta.unbox(self._new_state()))
-    return sharding.with_shardings(shapes, shardings), shardings
+    return sharding.abstract_sharded(self._new_state, self.mesh)
 
   def abstract_params(self) -> tuple[Any, Any]:
     """The parameters' shapes with shardings (what a saved model restores into)."""
-    init = lambda: self.task.init_params(jax.random.PRNGKey(0))
-    shardings = sharding.shardings_for(jax.eval_shape(init), self.mesh)
-    shapes = jax.eval_shape(lambda: nn.meta.unbox(init()))
-    return sharding.with_shardings(shapes, shardings), shardings
+    return sharding.abstract_sharded(lambda: self.task.init_params(jax.random.PRNGKey(0)),
+                                     self.mesh)
 
-  def initial_params(self, params_sharding: Any) -> Any:
-    """The pretrained parameters (init_from), restored straight into `params_sharding`."""
+  def initial_params(self) -> Any:
+    """The pretrained parameters (init_from), restored straight into their shardings (the
+    state's: the same rules on the same mesh)."""
     abstract, _ = self.abstract_params()
-    abstract = sharding.with_shardings(abstract, params_sharding)
     return checkpoint.restore_params(self.pretrained.path, abstract)
 
   # ------------------------------------------------------------------------ steps

@@ -195,7 +195,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     batches.set_state(restored.data_state)
     print(f"resumed from step {restored.step}")
   elif experiment.pretrained:     # Fine-tuning: the pretrained weights, a fresh optimizer.
-    state = state.replace(params=experiment.initial_params(state_sharding.params))
+    state = state.replace(params=experiment.initial_params())
     print(f"initialised from {experiment.pretrained.path} (step {experiment.pretrained.step})")
   start_step = int(state.step)
   _write_run_files(workdir, experiment.resolved_config())
