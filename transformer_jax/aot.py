@@ -102,9 +102,9 @@ def tpu_topology(name: str) -> Topology:
                      "jax[tpu] installed (pip install -r requirements-tpu.txt), and is the "
                      "shape one that generation has, e.g. v5e:2x4, v5p:2x2x2?") from None
   chip = TPU_CHIPS[generation]
-  if devices[0].device_kind != chip.device_kind:
-    raise UsageError(f"--topology={name!r} gave {devices[0].device_kind!r} devices, not "
-                     f"{chip.device_kind!r}")
+  found = devices[0].device_kind
+  if found != chip.device_kind:
+    raise UsageError(f"--topology={name!r} gave {found!r} devices, not {chip.device_kind!r}")
   return Topology(name, chip, tuple(devices))
 
 

@@ -116,7 +116,7 @@ _SUBLAYERS = {
 _QKV = (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"))
 
 
-def _kind(ours: str) -> str:
+def _sublayer_type(ours: str) -> str:
   return "attention" if ours.endswith("attention") else "norm" if ours.endswith("norm") else "dense"
 
 
@@ -148,11 +148,11 @@ def _layer_tensors(cfg: TransformerConfig, naming: str) -> list[tuple[str, str, 
     mine = f"{stack}/layer_{i}/{ours}"
     theirs = (f"model.{stack}.layers.{i}.{marian}" if naming == "marian"
               else f"transformer.{stack}.layers.{i}.{torch_name}")
-    kind = _kind(ours)
-    if kind == "norm":
+    sublayer = _sublayer_type(ours)
+    if sublayer == "norm":
       out += [(f"{mine}/scale", f"{theirs}.weight", np.asarray, np.asarray),
               (f"{mine}/bias", f"{theirs}.bias", np.asarray, np.asarray)]
-    elif kind == "dense":
+    elif sublayer == "dense":
       out += [(f"{mine}/kernel", f"{theirs}.weight", lambda w: np.ascontiguousarray(w.T),
                lambda k: np.ascontiguousarray(k.T)),
               (f"{mine}/bias", f"{theirs}.bias", np.asarray, np.asarray)]
@@ -440,7 +440,7 @@ def marian_incompatibility(cfg: TransformerConfig, run_config: dict, tokenizer: 
 
 
 def _pieces(tokenizer: Any) -> list[str]:
-  if tokenizer.kind == MarianSentencePiece.kind:
+  if isinstance(tokenizer, MarianSentencePiece):
     return list(tokenizer.pieces)
   sp = tokenizer._sp
   return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
@@ -568,7 +568,7 @@ def torch_state_dict(params: dict, cfg: TransformerConfig) -> dict[str, np.ndarr
   state = {key: to_theirs(np.asarray(_tree_get(params, ours), np.float32))
            for ours, key, _, to_theirs in _layer_tensors(cfg, "torch")}
   for stack, i, ours, _, torch_name in _layers(cfg):
-    if _kind(ours) == "attention":
+    if _sublayer_type(ours) == "attention":
       mine = _tree_get(params, f"{stack}/layer_{i}/{ours}")
       prefix = f"transformer.{stack}.layers.{i}.{torch_name}"
       state[f"{prefix}.in_proj_weight"] = np.concatenate(
@@ -605,7 +605,7 @@ def params_from_torch_state_dict(state: dict[str, np.ndarray], cfg: TransformerC
     _tree_set(params, ours, to_ours(np.asarray(state[key], np.float32)))
   d, n, h = cfg.d_model, cfg.num_heads, cfg.head_dim
   for stack, i, ours, _, torch_name in _layers(cfg):
-    if _kind(ours) == "attention":
+    if _sublayer_type(ours) == "attention":
       prefix = f"transformer.{stack}.layers.{i}.{torch_name}"
       weights = np.split(np.asarray(state[f"{prefix}.in_proj_weight"], np.float32), 3)
       biases = np.split(np.asarray(state[f"{prefix}.in_proj_bias"], np.float32), 3)

@@ -67,7 +67,7 @@ def _param_name(path: tuple) -> str:
 def _storable(x: np.ndarray) -> np.ndarray:
   """NumPy's .npz has no bfloat16: such arrays are stored as same-width unsigned ints and
   viewed back on load (the manifest keeps the real dtype)."""
-  if x.dtype.kind == "V" or x.dtype.name not in np.sctypeDict:
+  if x.dtype.type is np.void or x.dtype.name not in np.sctypeDict:
     return x.view(f"u{x.dtype.itemsize}")
   return x
 
