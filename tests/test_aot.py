@@ -112,12 +112,13 @@ def test_user_errors_exit_2_without_traceback():
 
 def test_find_max_batch_fits_and_twice_does_not():
   # Judged against 32 MiB per chip instead of 16 GiB: the same search, at batches that
-  # compile in seconds; stopped when the bracket is within half of the batch found.
+  # compile in seconds; stopped when the bracket is within the batch found (fits, and
+  # twice it does not: what the test asserts, in few compiles).
   topo = aot.with_hbm(aot.tpu_topology("v5e:2x2"), 32 / 1024)
   config = tiny_config()
   mesh = sharding.make_mesh(dict(data=4), topo.devices)
   batch, results = aot.find_max_batch(config, topo, mesh, aot.vocab_size_of(config),
-                                      tolerance=0.5)
+                                      tolerance=1.0)
   assert batch > 0 and batch % 4 == 0 and results[batch]["fits"]
   assert results[batch]["total_bytes"] > 0.5 * topo.chip.hbm_bytes
   twice = results.get(2 * batch) or aot.compile_train_step(

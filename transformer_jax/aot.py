@@ -430,6 +430,8 @@ def find_max_batch(config: ml_collections.ConfigDict, topology: Topology,
     guess = a + int((hbm - total(a)) / max(slope, 1.0))
     upper = hi - 1 if hi is not None else max(2 * lo, 1) * 8
     lower = lo + 1 if lo else 1
+    if hi is None:                  # No upper end yet: at least double (memory is not quite
+      lower = max(lower, 2 * lo)    # linear, so interpolation alone creeps up in small steps).
     guess = min(max(guess, lower), upper)
     if guess in (lo, hi) or (hi is not None and guess in (lower, upper) and hi - lo > 2):
       guess = (lo + hi) // 2 if hi is not None else guess    # Interpolation stalls: bisect.
