@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import os
 import sys
 
@@ -17,13 +15,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # JAX versions where the flags are known to exist: XLA aborts on an unknown flag.
 import jax  # noqa: E402  (importing does not start a backend)
 
-# With libtpu installed (requirements-tpu.txt, for tests/test_aot.py) on a machine without a
-# TPU, JAX would still try to start a TPU backend; the tests run on CPU (or GPU) and compile
-# for TPUs only through compile-only topologies. /dev/accel* and /dev/vfio are a TPU VM's.
-if ("JAX_PLATFORMS" not in os.environ and importlib.util.find_spec("libtpu") is not None
-    and not glob.glob("/dev/accel*") and not os.path.exists("/dev/vfio")
-    and importlib.util.find_spec("jax_cuda12_plugin") is None):
-  os.environ["JAX_PLATFORMS"] = "cpu"
+# No TPU backend where libtpu is installed only to compile for TPUs (tests/test_aot.py).
+from transformer_jax.platforms import skip_missing_tpu  # noqa: E402
+
+skip_missing_tpu()
 
 # Eight CPU devices for the sharding tests (tests/test_sharding.py); unsharded code still runs
 # on the first one. Must be set before the backend starts.
