@@ -262,12 +262,3 @@ class Experiment:
     for batch in batches:
       self.task.check_batch(batch.arrays, f"{split} data")
     return batches
-
-  def train_batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
-    """The global training batch's shapes with their sharding."""
-    c = self.config
-    spec = self.task.batch_spec(c.batch_size, c.data.max_length,
-                                max_per_row=c.data.get("max_segments", 0) or 1)
-    batch_sharding = sharding.batch_sharding(self.mesh)
-    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
-            for k, v in spec.items()}
