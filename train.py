@@ -24,13 +24,7 @@ try:
       "config", _DEFAULT_CONFIG, "Config file (ml_collections); fields are overridable "
       "as --config.field=value.", lock_config=True)
 except (AttributeError, KeyError) as e:  # ml_collections applies overrides here, at define time.
-  _detail = e
-  while isinstance(_detail, (AttributeError, KeyError)) and _detail.args:
-    _detail = _detail.args[0]  # Unwrap AttributeError(KeyError("'name'\nDid you mean...")).
-  _overrides = [a.split("=")[0] for a in sys.argv[1:] if a.startswith("--config.")]
-  errors.exit_with(errors.UserError(
-      f"unknown config field {_detail} (overrides given: {_overrides}); the config file "
-      "lists the valid fields"))
+  errors.exit_with(errors.unknown_config_field(e))
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Output directory (checkpoints, metrics.jsonl, config.json, vocab); "
     "defaults to workdirs/<config name>. An existing workdir is resumed from its newest "

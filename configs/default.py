@@ -16,6 +16,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_every_steps = 1200
   config.checkpoint_every_steps = 600
   config.keep_checkpoints = 3          # The most recent ones (paper §6.1 averages the last 5).
+  # > 1: at the end, average the newest N checkpoints (paper §6.1) into W/exports/ and make
+  # them the final model: its evaluation and the test split's are the run's final metrics.
+  config.average_checkpoints = 0
   config.keep_best_checkpoints = 0     # Also keep the N best by best_checkpoint_metric.
   config.best_checkpoint_metric = "eval/exact_match"
   config.best_checkpoint_mode = "max"  # "max" or "min" (for eval/loss).

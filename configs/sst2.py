@@ -37,6 +37,9 @@ def get_config() -> ml_collections.ConfigDict:
       d_model=128, num_heads=4, d_ff=256, num_encoder_layers=2, num_decoder_layers=0,
       dropout_rate=0.3, attention_dropout_rate=0.1, max_len=64))
   config.model.pooling = "max"        # mean | max | first (the classifier's head)
+  config.model.char_features = 0      # character CNN width; 0: word ids only
+  config.model.char_max_length = 16   # bytes kept per word
+  config.model.word_dropout = 0.0     # training: a word id becomes <unk> at this rate
 
   config.optimizer.update(dict(name="adamw", weight_decay=0.05, schedule="warmup_cosine",
                                learning_rate=1e-3, warmup_steps=300, clip_grad_norm=1.0))

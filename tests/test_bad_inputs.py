@@ -116,6 +116,15 @@ class Case:
   prepare: Callable[[str, str], None] = lambda data_dir, workdir: None
 
 
+def with_model(make: Callable[..., object], **model) -> Callable[[str], object]:
+  """`make`'s config with model-group fields changed (the heads' options)."""
+  def build(data_dir: str):
+    config = make(data_dir)
+    config.model.update(model)
+    return config
+  return build
+
+
 def tiny(**overrides) -> Callable[[str], object]:
   return lambda data_dir: tiny_run_config(**overrides)
 
@@ -169,6 +178,14 @@ TRAIN_CASES = [
          ("data.too_long='cut'",)),
     Case("one_class_label", lambda d: classification(d, labels="positive"),
          ("data.labels='positive'",)),
+    Case("unknown_pooling", with_model(classification, pooling="sum"),
+         ("model.pooling='sum'",)),
+    Case("chars_of_subwords", with_model(lambda d: classification(d, tokenizer="sentencepiece"),
+                                         char_features=16),
+         ("model.char_features=16", "data.tokenizer='sentencepiece'")),
+    Case("word_dropout_1", with_model(tagging, word_dropout=1.0), ("model.word_dropout=1.0",)),
+    Case("char_max_length_0", with_model(tagging, char_max_length=0),
+         ("model.char_max_length=0",)),
     # Data: present, non-empty, well-formed, every split.
     Case("missing_data_dir", lambda d: classification(d, dir=d + "/nowhere"),
          ("data.dir=", "nowhere", "no such directory")),

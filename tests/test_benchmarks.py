@@ -160,3 +160,19 @@ def test_torch_reference_is_the_same_model(overrides):
     got = model.logits(torch.from_numpy(src).long(), torch.from_numpy(tgt).long()).numpy()
   valid = tgt != PAD_ID
   np.testing.assert_allclose(got[valid], expected[valid], atol=1e-4, rtol=1e-4)
+
+
+def test_seeds_reads_each_runs_final_metrics_and_summarises_them(tmp_path):
+  """benchmarks/seeds.py: the newest value of each metric (the averaged model's line comes
+  after the last checkpoint's), and mean ± sample standard deviation."""
+  from benchmarks import seeds
+  lines = [{"step": 10, "eval/f1": 80.0, "train/loss": 1.0},
+           {"step": 20, "eval/f1": 85.0}, {"step": 20, "eval/f1": 86.0, "test/f1": 83.0}]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
+  assert seeds.final_metrics(str(tmp_path), ["eval/f1", "test/f1"]) == {
+      "eval/f1": 86.0, "test/f1": 83.0}
+  with pytest.raises(SystemExit, match="eval/bleu"):
+    seeds.final_metrics(str(tmp_path), ["eval/bleu"])
+  mean, std = seeds.summary([85.0, 86.0, 90.0])
+  assert mean == pytest.approx(87.0) and std == pytest.approx(np.std([85, 86, 90], ddof=1))
+  assert seeds.summary([84.0]) == (84.0, 0.0)

@@ -38,6 +38,12 @@ def test_train_rejects_bad_config_overrides(tmp_path):
   workdir = tmp_path / "never"
   unknown = _start("train.py", "--config.no_such_field=1", f"--workdir={workdir}")
   bad_type = _start("train.py", "--config.num_train_steps=abc", f"--workdir={workdir}")
+  # With --config=FILE, ml_collections applies overrides while absl parses the flags.
+  unknown_in_file = _start("train.py", "--config=configs/sst2.py", "--config.model.crff=1",
+                           f"--workdir={workdir}")
+  code, output = _finish(unknown_in_file)
+  assert code == 2 and "Traceback" not in output
+  assert "unknown config field 'crff'" in output
   code, output = _finish(unknown)
   assert code != 0
   assert "no_such_field" in output

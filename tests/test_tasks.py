@@ -284,11 +284,34 @@ def test_classification_on_tsv_files_trains_and_predicts(tmp_path):
       "positive", "negative"]
 
 
-def test_tagging_on_conll_files_trains_predicts_and_scores_entities(tmp_path):
+def test_averaging_the_last_checkpoints_gives_the_final_model_and_metrics(tmp_path):
+  """config.average_checkpoints: the mean of the newest N checkpoints is exported, its
+  evaluation is the run's final one, --eval_only on the export agrees, predict serves it."""
+  sentiment_corpus(tmp_path)
+  workdir = str(tmp_path / "run")
+  config = _shrink(sst2.get_config(), 30, dir=str(tmp_path))
+  config.update(dict(checkpoint_every_steps=10, keep_checkpoints=3, average_checkpoints=3))
+  final = loop.train_and_evaluate(config, workdir)
+  export = os.path.join(workdir, "exports", "step_30_avg3")
+  last = _lines(workdir)[-1]
+  assert last["step"] == 30 and last["eval/averaged_checkpoints"] == 3
+  assert last["eval/accuracy"] == final["eval/accuracy"]
+  assert loop.evaluate_saved(config, workdir, export) == pytest.approx(
+      {k: v for k, v in final.items()}, rel=1e-6)
+  with open(os.path.join(export, "manifest", "metadata")) as f:
+    assert json.load(f)["averaged_steps"] == [10, 20, 30]
+  assert os.path.samefile(Predictor(workdir).path, export)
+
+
+@pytest.mark.parametrize("word_options", [
+    {}, {"crf": True, "char_features": 16, "char_max_length": 8, "word_dropout": 0.1}],
+    ids=["softmax", "crf_chars_word_dropout"])
+def test_tagging_on_conll_files_trains_predicts_and_scores_entities(tmp_path, word_options):
   entity_corpus(tmp_path)
   workdir = str(tmp_path / "run")
-  final = loop.train_and_evaluate(_shrink(conll2003.get_config(), 40, dir=str(tmp_path)),
-                                  workdir)
+  config = _shrink(conll2003.get_config(), 40, dir=str(tmp_path))
+  config.model.update(word_options)
+  final = loop.train_and_evaluate(config, workdir)
   assert {"eval/f1", "eval/precision", "eval/recall", "eval/accuracy"} <= set(final)
   assert final["eval/f1"] >= 90.0
   predictor = Predictor(workdir)

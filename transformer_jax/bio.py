@@ -3,7 +3,8 @@
 A per-word argmax can emit `I-X` with no `B-X`/`I-X` before it, or switch type inside a
 span (`B-PER I-ORG`); conlleval then scores spans the model never meant. Decoding the most
 likely sequence among the valid ones removes those errors without retraining (the "BIO
-constraint" of CRF taggers, here applied to independent per-word probabilities).
+constraint" of CRF taggers, here applied to independent per-word probabilities). A tagger
+with a CRF output layer (model.crf) adds its learned transition scores to the same search.
 """
 
 from __future__ import annotations
@@ -28,21 +29,26 @@ def allowed_transitions(labels: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
   return start, transition
 
 
-def viterbi(log_probs: np.ndarray, start: np.ndarray, transition: np.ndarray) -> np.ndarray:
-  """The tag ids (T,) maximising the summed log-probabilities (T, L) among the sequences
-  that `start` and `transition` allow."""
-  length, _ = log_probs.shape
+def viterbi(log_probs: np.ndarray, start: np.ndarray, transition: np.ndarray, *,
+            scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+  """The tag ids (T,) maximising the summed per-word scores (T, L) among the sequences
+  that `start` and `transition` allow. `scores`: a CRF's learned (start (L,), transition
+  (L, L), end (L,)) scores, added to the path's score (see modules/crf.py)."""
+  length, labels = log_probs.shape
   if length == 0:
     return np.zeros(0, np.int64)
-  penalty = np.where(transition, 0.0, -np.inf)
-  score = np.where(start, log_probs[0], -np.inf)
+  if scores is None:
+    scores = (np.zeros(labels), np.zeros((labels, labels)), np.zeros(labels))
+  start_score, transition_score, end_score = (np.asarray(s, np.float64) for s in scores)
+  penalty = np.where(transition, transition_score, -np.inf)
+  score = np.where(start, start_score + log_probs[0], -np.inf)
   back = np.zeros(log_probs.shape, np.int64)
   for t in range(1, length):
     candidates = score[:, None] + penalty                # (previous, current)
     back[t] = candidates.argmax(0)
     score = candidates.max(0) + log_probs[t]
   tags = np.zeros(length, np.int64)
-  tags[-1] = score.argmax()
+  tags[-1] = (score + end_score).argmax()
   for t in range(length - 1, 0, -1):
     tags[t - 1] = back[t, tags[t]]
   return tags

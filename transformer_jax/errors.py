@@ -62,11 +62,33 @@ def user_errors(main: F) -> F:
   return wrapped  # type: ignore[return-value]
 
 
+def unknown_config_field(error: AttributeError | KeyError) -> UserError:
+  """The user error for a `--config.<field>=...` override of a field the config file does
+  not define (ml_collections raises AttributeError(KeyError("'name'\nDid you mean..."))."""
+  detail: Any = error
+  while isinstance(detail, (AttributeError, KeyError)) and detail.args:
+    detail = detail.args[0]
+  overrides = [a.split("=")[0] for a in sys.argv[1:] if a.startswith("--config.")]
+  return UserError(f"unknown config field {detail} (overrides given: {overrides}); the "
+                   "config file lists the valid fields")
+
+
 def run(main: Callable[[list[str]], Any]) -> None:
   """absl's `app.run(main)` for a command line: adds --verbose and reports user errors
-  in one line (see the module doc)."""
+  in one line (see the module doc), including an override of a field that a --config file
+  lacks (ml_collections applies those while absl parses the flags, before `main`)."""
   from absl import app, flags
   if "verbose" not in flags.FLAGS:
     flags.DEFINE_bool("verbose", False, "On a user error, print the traceback too "
                       f"(also: {TRACEBACK_ENV}=1).")
-  app.run(user_errors(main))
+  started = []
+
+  def begin(argv: list[str]) -> Any:
+    started.append(True)
+    return user_errors(main)(argv)
+  try:
+    app.run(begin)
+  except (AttributeError, KeyError) as e:
+    if started or tracebacks_wanted():
+      raise
+    exit_with(unknown_config_field(e))

@@ -90,14 +90,66 @@ class PositionalEncoding(nn.Module):
 
 
 class InputEmbedding(nn.Module):
-  """tokens -> dropout(embed(tokens) * sqrt(d_model) + PE(positions))."""
+  """tokens -> dropout(embed(tokens) * sqrt(d_model) [+ features] + PE(positions)), where
+  `features` (B, T, d_model) are optional extra per-token vectors (e.g. a word's spelling,
+  `CharacterFeatures`)."""
 
   config: TransformerConfig
   embedding: nn.Embed
 
   @nn.compact
-  def __call__(self, tokens: Array, positions: Array, *, train: bool = False) -> Array:
+  def __call__(self, tokens: Array, positions: Array, *, features: Array | None = None,
+               train: bool = False) -> Array:
     cfg = self.config
     x = self.embedding(tokens) * jnp.sqrt(cfg.d_model).astype(cfg.compute_dtype)
+    if features is not None:
+      x = x + features.astype(x.dtype)
     x = PositionalEncoding(cfg, name="positional")(x, positions)
     return nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
+
+
+# Character ids are a word's UTF-8 bytes + 1 (0 is padding): no vocabulary to train or save,
+# and every word, seen or not, keeps its spelling.
+BYTE_VOCAB_SIZE = 257
+
+
+def character_ids(words: list[str], max_chars: int) -> np.ndarray:
+  """(len(words), max_chars) int32: each word's first `max_chars` UTF-8 bytes + 1, then 0."""
+  out = np.zeros((len(words), max_chars), np.int32)
+  for i, word in enumerate(words):
+    data = np.frombuffer(word.encode("utf-8")[:max_chars], np.uint8)
+    out[i, :len(data)] = data.astype(np.int32) + 1
+  return out
+
+
+class CharacterFeatures(nn.Module):
+  """A word's bytes (B, T, C) -> one vector per word (B, T, d_model): byte embeddings, a
+  convolution over neighbouring bytes, max-pooling over the word (the character CNN of Ma
+  & Hovy, 2016), and a projection to d_model. Padding bytes embed to zeros, so a word's
+  vector does not depend on how much padding follows it; a padding word (no bytes) gets
+  zeros."""
+
+  config: TransformerConfig
+  features: int
+  embed_dim: int = 32
+  width: int = 3
+
+  @nn.compact
+  def __call__(self, chars: Array) -> Array:
+    cfg = self.config
+    real = chars != 0                                                     # (B, T, C)
+    x = nn.Embed(BYTE_VOCAB_SIZE, self.embed_dim, dtype=cfg.compute_dtype,
+                 param_dtype=cfg.params_dtype, name="byte_embedding",
+                 embedding_init=partitioned(nn.initializers.normal(stddev=1.0),
+                                            (None, None)))(chars)
+    x = x * real[..., None].astype(x.dtype)
+    x = nn.Conv(self.features, (self.width,), padding="SAME", dtype=cfg.compute_dtype,
+                param_dtype=cfg.params_dtype, name="convolution",
+                kernel_init=partitioned(nn.initializers.lecun_normal(), (None, None, None)),
+                bias_init=partitioned(nn.initializers.zeros_init(), (None,)))(x)
+    x = jnp.where(real[..., None], x, jnp.finfo(x.dtype).min).max(-2)     # (B, T, F)
+    x = jnp.where(real.any(-1)[..., None], x, 0)
+    return nn.Dense(cfg.d_model, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
+                    name="projection",
+                    kernel_init=partitioned(nn.initializers.xavier_uniform(), (None, "embed")),
+                    bias_init=partitioned(nn.initializers.zeros_init(), ("embed",)))(x)

@@ -16,8 +16,8 @@ import flax.linen as nn
 from transformer_jax.config import PAD_ID, TransformerConfig
 from transformer_jax.modules.attention import (causal_mask, combine_masks, padding_mask,
                                                segment_mask)
-from transformer_jax.modules.embedding import (InputEmbedding, tied_projection,
-                                               token_embedding)
+from transformer_jax.modules.embedding import (CharacterFeatures, InputEmbedding,
+                                               tied_projection, token_embedding)
 from transformer_jax.modules.layers import DecoderLayer, EncoderLayer, layer_norm
 
 Array = jax.Array
@@ -71,21 +71,24 @@ def _segments(query_segments: Array | None, key_segments: Array | None) -> Array
 
 
 class Encoder(nn.Module):
-  """Embedding + N encoder layers (+ final LayerNorm when pre-LN). Output (B, S, d_model)."""
+  """Embedding + N encoder layers (+ final LayerNorm when pre-LN). Output (B, S, d_model).
+  `features` (B, S, d_model), if given, are added to the token embeddings."""
 
   config: TransformerConfig
   embedding: nn.Embed | None = None  # Shared with the decoder when given.
 
   @nn.compact
   def __call__(self, tokens: Array, positions: Array | None = None,
-               segment_ids: Array | None = None, *, train: bool = False) -> Array:
+               segment_ids: Array | None = None, *, features: Array | None = None,
+               train: bool = False) -> Array:
     cfg = self.config
     embedding = self.embedding or token_embedding(cfg, cfg.vocab_size, "embedding")
     valid = tokens != PAD_ID
     mask = combine_masks(padding_mask(valid, valid), _segments(segment_ids, segment_ids))
     if positions is None:
       positions = default_positions(tokens)
-    x = InputEmbedding(cfg, embedding, name="input_embedding")(tokens, positions, train=train)
+    x = InputEmbedding(cfg, embedding, name="input_embedding")(tokens, positions,
+                                                                features=features, train=train)
     x = apply_layers(cfg, lambda name: EncoderLayer(cfg, name=name), cfg.num_encoder_layers,
                      x, mask, train=train)
     if cfg.norm_position == "pre":
@@ -192,6 +195,20 @@ class Transformer(nn.Module):
 POOLINGS = ("mean", "max", "first")
 
 
+def _encode_words(module: nn.Module, tokens: Array, chars: Array | None,
+                  positions: Array | None, segment_ids: Array | None, train: bool) -> Array:
+  """The encoder-only heads' encoder, with each word's character features added to its
+  embedding when the head has `char_features` (then `chars` (B, T, C) is required)."""
+  features = None
+  if module.char_features:
+    if chars is None:
+      raise ValueError(f"{type(module).__name__} with char_features needs `chars` (B, T, C)")
+    features = CharacterFeatures(module.config, module.char_features,
+                                 name="character_features")(chars)
+  return Encoder(module.config, name="encoder")(tokens, positions, segment_ids,
+                                                features=features, train=train)
+
+
 class EncoderClassifier(nn.Module):
   """Sequence classification: encoder, pooling over real tokens, linear layer -> (B, C).
 
@@ -203,6 +220,7 @@ class EncoderClassifier(nn.Module):
   config: TransformerConfig
   num_classes: int = 2
   pooling: str = "mean"
+  char_features: int = 0    # width of the character CNN; 0: words only
 
   def __post_init__(self) -> None:
     if not isinstance(self.num_classes, int) or self.num_classes < 2:
@@ -213,11 +231,11 @@ class EncoderClassifier(nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def __call__(self, tokens: Array, *, positions: Array | None = None,
-               segment_ids: Array | None = None, num_segments: int | None = None,
-               train: bool = False) -> Array:
+  def __call__(self, tokens: Array, *, chars: Array | None = None,
+               positions: Array | None = None, segment_ids: Array | None = None,
+               num_segments: int | None = None, train: bool = False) -> Array:
     cfg = self.config
-    x = Encoder(cfg, name="encoder")(tokens, positions, segment_ids, train=train)  # (B, T, D)
+    x = _encode_words(self, tokens, chars, positions, segment_ids, train)          # (B, T, D)
     valid = tokens != PAD_ID
     if segment_ids is None:
       members = valid[:, None, :]                                                  # (B, 1, T)
@@ -249,10 +267,14 @@ def _pool(x: Array, members: Array, pooling: str) -> Array:
 
 class TokenClassifier(nn.Module):
   """Token tagging (e.g. NER): encoder, linear layer per token -> (B, T, num_labels).
-  Packed rows pass `positions` and `segment_ids` as for the encoder."""
+  Packed rows pass `positions` and `segment_ids` as for the encoder. With `crf` the module
+  also holds a linear-chain CRF's start, transition and end scores (`crf_scores`), which
+  the loss and the decoder read; the per-token output is the CRF's emission scores."""
 
   config: TransformerConfig
   num_labels: int = 9
+  char_features: int = 0    # width of the character CNN; 0: words only
+  crf: bool = False
 
   def __post_init__(self) -> None:
     if not isinstance(self.num_labels, int) or self.num_labels < 2:
@@ -261,12 +283,28 @@ class TokenClassifier(nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def __call__(self, tokens: Array, *, positions: Array | None = None,
-               segment_ids: Array | None = None, train: bool = False) -> Array:
+  def __call__(self, tokens: Array, *, chars: Array | None = None,
+               positions: Array | None = None, segment_ids: Array | None = None,
+               train: bool = False) -> Array:
     cfg = self.config
-    x = Encoder(cfg, name="encoder")(tokens, positions, segment_ids, train=train)
+    x = _encode_words(self, tokens, chars, positions, segment_ids, train)
     x = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
+    if self.crf:
+      for name, shape, axes in _CRF_PARAMS:
+        self.param(name, partitioned(nn.initializers.zeros_init(), axes),
+                   shape(self.num_labels), cfg.params_dtype)
     return _classifier_layer(cfg, self.num_labels)(x).astype(jnp.float32)
+
+
+_CRF_PARAMS = (("crf_start", lambda n: (n,), ("classes",)),
+               ("crf_transitions", lambda n: (n, n), ("classes", None)),
+               ("crf_end", lambda n: (n,), ("classes",)))
+
+
+def crf_scores(params: Any) -> tuple[Array, Array, Array]:
+  """A `TokenClassifier(crf=True)`'s (start (L,), transitions (L, L), end (L,)) scores from
+  its parameters (`transitions[i, j]`: tag j after tag i)."""
+  return tuple(nn.meta.unbox(params[name]) for name, _, _ in _CRF_PARAMS)
 
 
 def _classifier_layer(cfg: TransformerConfig, num_outputs: int) -> nn.Dense:

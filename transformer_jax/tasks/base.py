@@ -103,7 +103,13 @@ class Task(abc.ABC):
     self.tokenizer, self.target_tokenizer = tokenizer, target_tokenizer or tokenizer
     self.labels = list(labels) if labels is not None else None
     self.head = {**self.head_options, **dict(head or {})}
+    self.check_head(self.head, getattr(tokenizer, "kind", None))
     self.model = self.build_model(model_config)
+
+  @classmethod
+  def check_head(cls, head: Mapping[str, Any], tokenizer_kind: str | None) -> None:
+    """Raises UserError naming a head option (`model.<name>`) whose value is invalid, or
+    that does not fit the tokenizer kind (None: not known yet)."""
 
   # ------------------------------------------------------------ data (class level)
   @classmethod

@@ -16,7 +16,7 @@ import numpy as np
 
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data import readers
-from transformer_jax.modules.models import EncoderClassifier
+from transformer_jax.modules.models import POOLINGS, EncoderClassifier
 from transformer_jax.run_config import DecodeOptions
 from transformer_jax.tasks.base import (Batch, EvalBatch, EvalStep, Example, Samples, ids,
                                         loss_metrics, teacher_forced_sums)
@@ -39,7 +39,7 @@ class ClassificationTask(EncoderTask):
   sequence_keys = ("tokens",)
   metric_names = ("loss", "accuracy")
   tokenizer_kinds = ("sentencepiece", "words")
-  head_options = {"pooling": "mean"}    # mean | max | first (EncoderClassifier)
+  head_options = {**EncoderTask.head_options, "pooling": "mean"}  # mean | max | first
   needs_labels = True
   serving_output = "class_scores"
 
@@ -76,12 +76,13 @@ class ClassificationTask(EncoderTask):
 
   def featurize(self, record: dict) -> Example:
     return {"tokens": ids(self.tokenizer.encode(record["text"])),
+            **self._word_features(record["text"].split()),
             "label": np.asarray(record["label"], np.int32)}
 
   def packing_lengths(self, length: int, max_per_row: int | None) -> dict[str, int]:
     if max_per_row is None:   # One label slot per packed example: their number is the bound.
       raise UserError("data.max_segments must be > 0 when packing classification examples")
-    return {"tokens": length, "label": max_per_row}
+    return {**super().packing_lengths(length, max_per_row), "label": max_per_row}
 
   def _targets(self, get: Any) -> dict[str, np.ndarray]:
     return {"labels": get("label"), "label_mask": get("label_segment_ids") > 0}
@@ -93,9 +94,16 @@ class ClassificationTask(EncoderTask):
             "label_mask": jax.ShapeDtypeStruct((rows, max_per_row), jnp.bool_)}
 
   # --------------------------------------------------------------------- model
+  @classmethod
+  def check_head(cls, head: Mapping[str, Any], tokenizer_kind: str | None) -> None:
+    super().check_head(head, tokenizer_kind)
+    if head["pooling"] not in POOLINGS:
+      raise UserError(f"model.pooling={head['pooling']!r}: must be one of {POOLINGS}")
+
   def build_model(self, model_config: TransformerConfig) -> EncoderClassifier:
     return EncoderClassifier(model_config, num_classes=len(self.labels),
-                             pooling=self.head["pooling"])
+                             pooling=self.head["pooling"],
+                             char_features=self.head["char_features"])
 
   def _serving_batch(self, tokens: jax.Array) -> dict[str, jax.Array]:
     # One label slot per row, as in predict's batches (it sets the model's num_segments).

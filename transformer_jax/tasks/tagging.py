@@ -2,8 +2,12 @@
 encoder; evaluated by token accuracy and entity precision/recall/F1 (conlleval).
 
 Records: {"words": list[str], "tags": list[int]} (indices into the tag names). Batch keys:
-tokens, positions, segment_ids, tags (B, T). Predictions are the most likely valid BIO
-sequence (`bio.viterbi`), or each word's argmax with decode.bio_constrained=False.
+tokens, positions, segment_ids, [chars,] tags (B, T). Predictions are the most likely valid
+BIO sequence (`bio.viterbi`), or each word's argmax with decode.bio_constrained=False.
+
+model.crf: a linear-chain CRF output layer (modules/crf.py). Training maximises the
+likelihood of the whole tag sequence, among the BIO-valid ones (invalid transitions score
+-1e4); decoding is Viterbi over the per-word scores plus the learned transition scores.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from transformer_jax import bio
 from transformer_jax.config import PAD_ID, TransformerConfig
 from transformer_jax.data import readers
 from transformer_jax.metrics import entity_f1
-from transformer_jax.modules.models import TokenClassifier
+from transformer_jax.errors import UserError
+from transformer_jax.modules import crf
+from transformer_jax.modules.models import TokenClassifier, crf_scores
 from transformer_jax.run_config import DecodeOptions
 from transformer_jax.tasks.base import (Batch, EvalBatch, EvalStep, Example, Samples, ids,
                                         loss_metrics, teacher_forced_sums)
@@ -26,6 +32,7 @@ from transformer_jax.tasks.encoder import EncoderTask
 from transformer_jax.tasks.losses import cross_entropy_sums
 
 _TFDS_FEATURES = ("tokens", "ner")   # as in TFDS conll2003
+_FORBIDDEN = -1e4   # a CRF transition that BIO forbids (finite: no inf - inf in gradients)
 
 
 class TaggingTask(EncoderTask):
@@ -34,12 +41,14 @@ class TaggingTask(EncoderTask):
   sequence_keys = ("tokens", "tags")
   metric_names = ("loss", "accuracy", "precision", "recall", "f1")
   tokenizer_kinds = ("words",)   # tags align to words
+  head_options = {**EncoderTask.head_options, "crf": False}
   needs_labels = True
   serving_output = "tag_scores"
 
   def __init__(self, *args: Any, **kwargs: Any):
     super().__init__(*args, **kwargs)
     self._transitions = bio.allowed_transitions(self.labels)
+    self._emissions = jax.jit(lambda params, batch: self.logits(params, batch, None, False))
     self._log_probs = jax.jit(lambda params, batch: self._serving_scores(
         self.logits(params, batch, None, False)))
 
@@ -86,7 +95,7 @@ class TaggingTask(EncoderTask):
 
   def featurize(self, record: dict) -> Example:
     return {"tokens": ids(self.tokenizer.encode_words(record["words"])),
-            "tags": ids(record["tags"])}
+            **self._word_features(record["words"]), "tags": ids(record["tags"])}
 
   def _targets(self, get: Any) -> dict[str, np.ndarray]:
     return {"tags": get("tags")}
@@ -97,25 +106,62 @@ class TaggingTask(EncoderTask):
             "tags": jax.ShapeDtypeStruct((rows, length), jnp.int32)}
 
   # --------------------------------------------------------------------- model
+  @classmethod
+  def check_head(cls, head: Mapping[str, Any], tokenizer_kind: str | None) -> None:
+    super().check_head(head, tokenizer_kind)
+    if not isinstance(head["crf"], bool):
+      raise UserError(f"model.crf={head['crf']!r}: must be True or False")
+
   def build_model(self, model_config: TransformerConfig) -> TokenClassifier:
-    return TokenClassifier(model_config, num_labels=len(self.labels))
+    return TokenClassifier(model_config, num_labels=len(self.labels),
+                           char_features=self.head["char_features"], crf=self.head["crf"])
 
   def _serving_scores(self, logits: jax.Array) -> jax.Array:
     """Per-token log-probabilities (B, S, L): what the BIO Viterbi decode reads."""
     return jax.nn.log_softmax(logits.astype(jnp.float32), -1)
 
+  def serving_function(self, decode: DecodeOptions) -> Callable[[Any, jax.Array], jax.Array]:
+    if self.head["crf"]:
+      # The served decode is Viterbi over per-word scores alone; it lacks the learned
+      # transition scores.
+      raise UserError("export --format=stablehlo: a model with model.crf decodes with its "
+                      "learned transition scores, which the exported tag-score function does "
+                      "not carry yet; serve it with predict.py")
+    return super().serving_function(decode)
+
+  def _constrained_crf_scores(self, params: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The CRF's scores with BIO's forbidden starts and transitions scoring -1e4."""
+    start, transitions, end = crf_scores(params)
+    allowed_start, allowed = (jnp.asarray(a) for a in self._transitions)
+    return (jnp.where(allowed_start, start, _FORBIDDEN),
+            jnp.where(allowed, transitions, _FORBIDDEN), end)
+
   def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
                 train: bool) -> dict[str, jax.Array]:
-    return cross_entropy_sums(self.logits(params, batch, rng, train), batch["tags"],
-                              self.label_smoothing if train else 0.0,
-                              weights=(batch["tokens"] != PAD_ID).astype(jnp.float32))
+    logits = self.logits(params, batch, rng, train)
+    valid = batch["tokens"] != PAD_ID
+    sums = cross_entropy_sums(logits, batch["tags"], self.label_smoothing if train else 0.0,
+                              weights=valid.astype(jnp.float32))
+    if self.head["crf"]:
+      # The loss per token is the sequences' negative log-likelihood over their length, so
+      # it normalises by the token count like the cross-entropy; accuracy stays per word.
+      nll = crf.negative_log_likelihood(logits, batch["tags"], valid,
+                                        batch["positions"] == 0,
+                                        *self._constrained_crf_scores(params)).sum()
+      sums.update(loss=nll, nll=nll)
+    return sums
 
   # ---------------------------------------------------------------- evaluation
   def predict_tags(self, params: Any, batch: Mapping[str, np.ndarray],
                    decode: DecodeOptions) -> list[list[str]]:
     """Tag names for each row's tokens (one sequence per row)."""
     lengths = (batch["tokens"] != PAD_ID).sum(1)
-    if decode.bio_constrained:
+    if self.head["crf"]:   # Emission scores and the learned transitions, always with BIO.
+      emissions = np.asarray(self._emissions(params, batch))
+      scores = tuple(np.asarray(s) for s in crf_scores(params))
+      best = [bio.viterbi(row[:n], *self._transitions, scores=scores)
+              for row, n in zip(emissions, lengths)]
+    elif decode.bio_constrained:
       log_probs = np.asarray(self._log_probs(params, batch))
       best = [bio.viterbi(row[:n], *self._transitions) for row, n in zip(log_probs, lengths)]
     else:

@@ -72,7 +72,21 @@ def validate(config: ml_collections.ConfigDict, task: type[Task]) -> None:
     if config.best_checkpoint_metric not in names:
       raise UserError(f"config.best_checkpoint_metric={config.best_checkpoint_metric!r}: a "
                       f"{task.name} task reports {', '.join(names)}")
+  average = config.get("average_checkpoints", 0)
+  if not isinstance(average, int) or average < 0:
+    raise UserError(f"config.average_checkpoints={average!r}: must be an integer >= 0 "
+                    "(0 or 1: no averaging)")
+  if average > config.keep_checkpoints:
+    raise UserError(f"config.average_checkpoints={average} needs that many checkpoints kept: "
+                    f"raise config.keep_checkpoints={config.keep_checkpoints} to {average}")
+  saves = -(-config.num_train_steps // config.checkpoint_every_steps)  # the last step saves
+  if average > saves:
+    raise UserError(f"config.average_checkpoints={average}: only {saves} checkpoints are "
+                    f"saved in {config.num_train_steps} steps; lower "
+                    f"config.checkpoint_every_steps={config.checkpoint_every_steps}")
   check_label_smoothing(config.label_smoothing)
+  task.check_head(tasks.split_model_fields(task, config.model)[1],
+                  config.data.get("tokenizer"))
   check_data_config(task, config.data)
   width = training_width(config.data)
   if config.model.max_len < width:

@@ -7,11 +7,12 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental.multihost_utils import sync_global_devices
 from tqdm.auto import tqdm
 
 from transformer_jax import checkpoint, sharding
@@ -249,15 +250,25 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         progress.write(f"{preemption.signal_name} received: stopped after step {step} and "
                        f"saved {checkpoints.path(step)}; run the same command to resume.")
         return {}
-    if start_step >= config.num_train_steps:
+    last_step = max(start_step, config.num_train_steps)
+    final_params = state.params
+    if config.get("average_checkpoints", 0) > 1:
+      checkpoints.wait()
+      final_params, steps = _average_newest(experiment, workdir, checkpoints.steps(),
+                                            config.average_checkpoints)
+      final_metrics, samples = evaluate(final_params)
+      writer.write(last_step, {**final_metrics, "eval/averaged_checkpoints": len(steps)})
+      progress.write(f"average of steps {steps}: " + ", ".join(
+          f"{k}={v:.4f}" for k, v in final_metrics.items()))
+    elif start_step >= config.num_train_steps:
       print(f"already trained to step {start_step} (num_train_steps="
             f"{config.num_train_steps}); evaluating the saved model")
       final_metrics, samples = evaluate(state.params)
     test_split = config.data.get("test_split", "")
     if test_split:
       test = Evaluator(experiment, experiment.eval_batches(test_split), eval_step, "test")
-      test_metrics, samples = test(state.params)
-      writer.write(max(start_step, config.num_train_steps), test_metrics)
+      test_metrics, samples = test(final_params)
+      writer.write(last_step, test_metrics)
       final_metrics.update(test_metrics)
   finally:
     preemption.stop()
@@ -273,6 +284,20 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                                                    for k, v in batches.stats().items()))
     print("final: " + ", ".join(f"{k}={v:.4f}" for k, v in final_metrics.items()))
   return final_metrics
+
+
+def _average_newest(experiment: Experiment, workdir: str, available: Sequence[int],
+                    count: int) -> tuple[Any, list[int]]:
+  """The mean parameters of the newest `count` checkpoints (paper §6.1), written once as
+  the export W/exports/step_<last>_avg<count> (which predict then serves: it is the newest
+  model) and restored onto the mesh; and their steps."""
+  steps = checkpoint.select_steps(list(available), "latest", count, None)
+  path = os.path.join(workdir, checkpoint.EXPORT_DIR, f"step_{steps[-1]}_avg{count}")
+  if jax.process_index() == 0 and not os.path.exists(path):   # a re-run reuses it
+    checkpoint.export(os.path.join(workdir, CHECKPOINT_DIR), steps, path)
+  sync_global_devices(f"average {path}")
+  abstract, _ = experiment.abstract_params()
+  return checkpoint.restore_params(path, abstract), steps
 
 
 def evaluate_saved(config: ml_collections.ConfigDict, workdir: str | None,
