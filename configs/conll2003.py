@@ -36,12 +36,13 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.model.update(dict(
       d_model=256, num_heads=8, d_ff=1024, num_encoder_layers=3, num_decoder_layers=0,
-      dropout_rate=0.2, attention_dropout_rate=0.1, max_len=128))
-  # The head's word options (tasks/encoder.py, tasks/tagging.py).
-  config.model.char_features = 0      # character CNN width; 0: word ids only
+      dropout_rate=0.3, attention_dropout_rate=0.1, max_len=128))
+  # The head's word options (tasks/encoder.py, tasks/tagging.py): each word's spelling
+  # through a character CNN, word dropout so the model learns to use it, a CRF output layer.
+  config.model.char_features = 128    # character CNN width; 0: word ids only
   config.model.char_max_length = 16   # bytes kept per word
-  config.model.word_dropout = 0.0     # training: a word id becomes <unk> at this rate
-  config.model.crf = False            # linear-chain CRF output layer
+  config.model.word_dropout = 0.2     # training: a word id becomes <unk> at this rate
+  config.model.crf = True             # linear-chain CRF output layer
 
   config.optimizer.update(dict(name="adamw", weight_decay=0.01, schedule="warmup_cosine",
                                learning_rate=1e-3, warmup_steps=300, clip_grad_norm=1.0))

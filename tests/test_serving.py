@@ -87,6 +87,11 @@ def test_artifact_outputs_equal_predict(kind, workdirs, artifacts):
     assert [served.target_tokenizer.encode(t) for t in served.predict(lines)] == tokens
   assert served.manifest["task"] == predictor.task.name
   assert served.labels == predictor.labels
+  if kind == "tagging":   # The CoNLL config's tagger: character features and a CRF.
+    assert predictor.task.head["crf"] and predictor.task.head["char_features"]
+    assert served.manifest["inputs"]["chars"]["shape"] == [
+        "batch", "length", predictor.task.head["char_max_length"]]
+    assert len(served.constants["crf"]["transitions"]) == len(served.labels)
 
 
 def test_greedy_artifact_equals_greedy_predict(workdirs, tmp_path):

@@ -304,7 +304,8 @@ def test_averaging_the_last_checkpoints_gives_the_final_model_and_metrics(tmp_pa
 
 
 @pytest.mark.parametrize("word_options", [
-    {}, {"crf": True, "char_features": 16, "char_max_length": 8, "word_dropout": 0.1}],
+    {"crf": False, "char_features": 0, "word_dropout": 0.0},
+    {"crf": True, "char_features": 16, "char_max_length": 8, "word_dropout": 0.1}],
     ids=["softmax", "crf_chars_word_dropout"])
 def test_tagging_on_conll_files_trains_predicts_and_scores_entities(tmp_path, word_options):
   entity_corpus(tmp_path)

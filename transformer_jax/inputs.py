@@ -51,6 +51,17 @@ def check_inputs(config: TransformerConfig, src: Any,
   return src, tgt
 
 
+def character_ids(words: list[str], max_chars: int) -> np.ndarray:
+  """(len(words), max_chars) int32: each word's first `max_chars` UTF-8 bytes + 1, then 0
+  (the input of the heads' character features). Bytes need no vocabulary to train or save,
+  and every word, seen in training or not, keeps its spelling."""
+  out = np.zeros((len(words), max_chars), np.int32)
+  for i, word in enumerate(words):
+    data = np.frombuffer(word.encode("utf-8")[:max_chars], np.uint8)
+    out[i, :len(data)] = data.astype(np.int32) + 1
+  return out
+
+
 def bucket_lengths(max_length: int, smallest: int = 16) -> list[int]:
   """Powers of two from `smallest` below `max_length`, then `max_length` itself: the padded
   lengths of evaluation, predict and serving batches (each compiles once)."""

@@ -30,13 +30,13 @@ import time
 from typing import Any
 
 from transformer_jax.inputs import InputError
-from transformer_jax.serving import ArtifactError, Served
+from transformer_jax.serving import ArtifactError, EncodedLine, Served
 
 
 class _Pending:
   """One request's encoded lines, waiting for the batcher."""
 
-  def __init__(self, encoded: list[list[int]]):
+  def __init__(self, encoded: list[EncodedLine]):
     self.encoded = encoded
     self.outputs: list[str] | None = None
     self.error: str | None = None
@@ -52,7 +52,7 @@ class Batcher:
     self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
     self._thread.start()
 
-  def predict(self, encoded: list[list[int]]) -> list[str]:
+  def predict(self, encoded: list[EncodedLine]) -> list[str]:
     """Blocks until the outputs of `encoded` (lines through Served.encode) are ready."""
     pending = _Pending(encoded)
     self._queue.put(pending)

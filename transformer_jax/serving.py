@@ -10,13 +10,16 @@ An artifact directory holds
                       logits; tagging = per-token log-probabilities), traced with symbolic
                       batch and length, so one artifact serves any batch and any length up
                       to the model's max_len. Its arguments: the parameters as a flat list
-                      (in manifest order), then the token ids (batch, length) int32.
+                      (in manifest order), then the token ids (batch, length) int32, and for
+                      a model with character features each word's bytes (batch, length,
+                      word_bytes) int32 (inputs.character_ids of the line's words).
   params.npz          the parameters, one array per name: arguments, not constants, so the
                       module stays small and the weights can be swapped.
   vocab.json (+ .model), target_vocab.json  the tokenizer files (data/tokenizer.py)
   labels.json         class or tag names, for tasks that have them
   manifest.json       task, output kind, shapes, dtypes, special ids, decode options, JAX
-                      version, platforms, a SHA-256 per file and a fingerprint over them.
+                      version, platforms, a SHA-256 per file and a fingerprint over them,
+                      and the task's constants (a CRF tagger's transition scores).
 
 This module imports only jax, numpy, sentencepiece and flax-free parts of this package
 (config, inputs, bio, data.tokenizer; `transformer_jax/__init__.py` imports Flax lazily),
@@ -37,7 +40,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,12 +50,19 @@ from transformer_jax import bio
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer_jax.data.tokenizer import TARGET_VOCAB_FILE, VOCAB_FILE, load_tokenizer
 from transformer_jax.data.vocab import strip_special
-from transformer_jax.inputs import InputError, bucket_lengths
+from transformer_jax.inputs import InputError, bucket_lengths, character_ids
 
 FORMAT, FORMAT_VERSION = "transformer_jax.stablehlo", 1
 MODEL_FILE, PARAMS_FILE, LABELS_FILE, MANIFEST_FILE = (
     "model.jax_exported", "params.npz", "labels.json", "manifest.json")
 DEFAULT_MAX_ROWS = 64
+
+
+class EncodedLine(NamedTuple):
+  """A line as the exported function takes it: its token ids and, for a model with
+  character features, its words' bytes (len(ids), word_bytes)."""
+  ids: list[int]
+  chars: np.ndarray | None = None
 
 
 class ArtifactError(ValueError):
@@ -96,15 +106,19 @@ def write_artifact(task: Any, params: Any, decode: Any, output: str, *,
   names = [_param_name(path) for path, _ in leaves]
   arrays = [np.asarray(x) for _, x in leaves]
   inference = task.serving_function(decode)
+  word_bytes = task.serving_word_bytes()
 
-  def flat_inference(flat_params: list[jax.Array], tokens: jax.Array) -> jax.Array:
-    return inference(jax.tree_util.tree_unflatten(treedef, flat_params), tokens)
+  def flat_inference(flat_params: list[jax.Array], tokens: jax.Array,
+                     *chars: jax.Array) -> jax.Array:
+    return inference(jax.tree_util.tree_unflatten(treedef, flat_params), tokens, *chars)
 
   batch, length = jax.export.symbolic_shape("batch, length")
+  inputs = [jax.ShapeDtypeStruct((batch, length), jnp.int32)]
+  if word_bytes:
+    inputs.append(jax.ShapeDtypeStruct((batch, length, word_bytes), jnp.int32))
   exported = jax.export.export(jax.jit(flat_inference),
                                platforms=list(platforms) if platforms else None)(
-      [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays],
-      jax.ShapeDtypeStruct((batch, length), jnp.int32))
+      [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays], *inputs)
 
   parent = os.path.dirname(os.path.abspath(output))
   os.makedirs(parent, exist_ok=True)
@@ -126,7 +140,12 @@ def write_artifact(task: Any, params: Any, decode: Any, output: str, *,
         "task": task.name, "output": task.serving_output,
         "inputs": {"params": "the arrays of params.npz, in the order of 'params'",
                    "tokens": {"shape": ["batch", "length"], "dtype": "int32",
-                              "padding": PAD_ID}},
+                              "padding": PAD_ID},
+                   **({"chars": {"shape": ["batch", "length", word_bytes], "dtype": "int32",
+                                 "padding": 0, "values": "UTF-8 bytes + 1 of each word"}}
+                      if word_bytes else {})},
+        "word_bytes": word_bytes,
+        "constants": task.serving_constants(params),
         "output_shape": [str(d) for d in exported.out_avals[0].shape],
         "output_dtype": str(exported.out_avals[0].dtype),
         "params": [{"name": n, "shape": list(x.shape), "dtype": x.dtype.name}
@@ -163,7 +182,12 @@ def _class_scores(served: "Served", out: np.ndarray, lengths: Sequence[int]) -> 
 
 
 def _tag_scores(served: "Served", out: np.ndarray, lengths: Sequence[int]) -> list[str]:
-  if served.decode.get("bio_constrained", True):
+  crf = served.constants.get("crf")
+  if crf:          # emission scores; the CRF's transitions, always with BIO (as predict)
+    scores = (np.asarray(crf["start"]), np.asarray(crf["transitions"]), np.asarray(crf["end"]))
+    best = [bio.viterbi(row[:n], *served.transitions, scores=scores)
+            for row, n in zip(out, lengths)]
+  elif served.decode.get("bio_constrained", True):
     best = [bio.viterbi(row[:n], *served.transitions) for row, n in zip(out, lengths)]
   else:
     best = [row[:n].argmax(-1) for row, n in zip(out, lengths)]
@@ -201,6 +225,8 @@ class Served:
     self.decode = manifest["decode"]
     self.buckets = bucket_lengths(self.max_len)
     self.labels = manifest.get("labels")
+    self.word_bytes = manifest.get("word_bytes")
+    self.constants = manifest.get("constants", {})
     self.tokenizer = load_tokenizer(os.path.join(directory, VOCAB_FILE))
     target = os.path.join(directory, TARGET_VOCAB_FILE)
     self.target_tokenizer = load_tokenizer(target) if os.path.exists(target) else self.tokenizer
@@ -246,9 +272,9 @@ class Served:
   def fingerprint(self) -> str:
     return self.manifest["fingerprint"]
 
-  def encode(self, lines: Sequence[Any]) -> list[list[int]]:
-    """Token ids per line; InputError for a line that is not a string, that the tokenizer
-    rejects, or that is longer than max_len tokens."""
+  def encode(self, lines: Sequence[Any]) -> list[EncodedLine]:
+    """Token ids (and word bytes) per line; InputError for a line that is not a string,
+    that the tokenizer rejects, or that is longer than max_len tokens."""
     encoded = []
     for index, line in enumerate(lines):
       if not isinstance(line, str):
@@ -260,22 +286,27 @@ class Served:
       if len(ids) > self.max_len:
         raise InputError(f"input {index}: {len(ids)} tokens exceed the model's "
                          f"max_len={self.max_len}; shorten or split it")
-      encoded.append(ids)
+      # Word-level tokenizers split on whitespace, as the tasks' featurizers do.
+      chars = character_ids(line.split(), self.word_bytes) if self.word_bytes else None
+      encoded.append(EncodedLine(ids, chars))
     return encoded
 
-  def run(self, tokens: np.ndarray) -> np.ndarray:
-    """The exported function on a (batch, length) int32 array of checked ids."""
-    return np.asarray(self._call(self.params, jnp.asarray(tokens, jnp.int32)))
+  def run(self, tokens: np.ndarray, chars: np.ndarray | None = None) -> np.ndarray:
+    """The exported function on a (batch, length) int32 array of checked ids (and, for a
+    model with character features, the words' bytes (batch, length, word_bytes))."""
+    extra = [] if chars is None else [jnp.asarray(chars, jnp.int32)]
+    return np.asarray(self._call(self.params, jnp.asarray(tokens, jnp.int32), *extra))
 
   def predict(self, lines: Sequence[Any]) -> list[str]:
     """One output per line (a translation, a label, or space-separated tags)."""
     return self.predict_ids(self.encode(lines))
 
-  def predict_ids(self, encoded: Sequence[Sequence[int]]) -> list[str]:
+  def predict_ids(self, encoded: Sequence[EncodedLine]) -> list[str]:
     """`predict` for lines already through `encode`."""
     groups: dict[int, list[int]] = {}
-    for index, ids in enumerate(encoded):   # the buckets of predict (data.pipeline)
-      bucket = next(b for b in self.buckets if b >= max(len(ids), 1) or b == self.max_len)
+    for index, line in enumerate(encoded):   # the buckets of predict (data.pipeline)
+      bucket = next(b for b in self.buckets
+                    if b >= max(len(line.ids), 1) or b == self.max_len)
       groups.setdefault(bucket, []).append(index)
     outputs = [""] * len(encoded)
     for length, members in sorted(groups.items()):
@@ -283,11 +314,17 @@ class Served:
         chunk = members[start:start + self.max_rows]
         rows = min(1 << (len(chunk) - 1).bit_length(), self.max_rows)
         tokens = np.full((rows, length), PAD_ID, np.int32)
+        chars = np.zeros((rows, length, self.word_bytes), np.int32) if self.word_bytes else None
         for row, index in enumerate(chunk):
-          tokens[row, :len(encoded[index])] = encoded[index]
+          line = encoded[index]
+          tokens[row, :len(line.ids)] = line.ids
+          if chars is not None:
+            chars[row, :len(line.ids)] = line.chars
         tokens[len(chunk):] = tokens[len(chunk) - 1]     # filler rows repeat the last line
-        out = self.run(tokens)[:len(chunk)]
+        if chars is not None:
+          chars[len(chunk):] = chars[len(chunk) - 1]
+        out = self.run(tokens, chars)[:len(chunk)]
         for index, text in zip(chunk, self._outputs(self, out,
-                                                    [len(encoded[i]) for i in chunk])):
+                                                    [len(encoded[i].ids) for i in chunk])):
           outputs[index] = text
     return outputs

@@ -108,18 +108,8 @@ class InputEmbedding(nn.Module):
     return nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
 
 
-# Character ids are a word's UTF-8 bytes + 1 (0 is padding): no vocabulary to train or save,
-# and every word, seen or not, keeps its spelling.
+# Character ids: a word's UTF-8 bytes + 1, 0 for padding (inputs.character_ids).
 BYTE_VOCAB_SIZE = 257
-
-
-def character_ids(words: list[str], max_chars: int) -> np.ndarray:
-  """(len(words), max_chars) int32: each word's first `max_chars` UTF-8 bytes + 1, then 0."""
-  out = np.zeros((len(words), max_chars), np.int32)
-  for i, word in enumerate(words):
-    data = np.frombuffer(word.encode("utf-8")[:max_chars], np.uint8)
-    out[i, :len(data)] = data.astype(np.int32) + 1
-  return out
 
 
 class CharacterFeatures(nn.Module):

@@ -214,11 +214,21 @@ class Task(abc.ABC):
   serving_output: ClassVar[str]
 
   @abc.abstractmethod
-  def serving_function(self, decode: DecodeOptions) -> Callable[[Any, jax.Array], jax.Array]:
+  def serving_function(self, decode: DecodeOptions) -> Callable[..., jax.Array]:
     """The pure inference function that `export --format=stablehlo` serializes:
-    (params, tokens (B, S) int32, right-padded with PAD) -> the `serving_output` array.
-    It must trace with symbolic B and S, and give what `predict` gives for a batch of
-    the same padded length."""
+    (params, tokens (B, S) int32, right-padded with PAD[, chars (B, S, serving_word_bytes)])
+    -> the `serving_output` array. It must trace with symbolic B and S, and give what
+    `predict` gives for a batch of the same padded length."""
+
+  def serving_word_bytes(self) -> int | None:
+    """For a model that reads each word's spelling: the bytes per word of the served
+    function's `chars` argument (inputs.character_ids of the line's words); else None."""
+    return None
+
+  def serving_constants(self, params: Any) -> dict[str, Any]:
+    """JSON values the served model's loader needs besides the function's output (e.g. a
+    CRF's learned transition scores); the artifact's manifest keeps them."""
+    return {}
 
   # ------------------------------------------------------------------ evaluation
   @abc.abstractmethod

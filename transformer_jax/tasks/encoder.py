@@ -20,7 +20,7 @@ import numpy as np
 
 from transformer_jax.config import PAD_ID, UNK_ID
 from transformer_jax.errors import UserError
-from transformer_jax.modules.embedding import character_ids
+from transformer_jax.inputs import character_ids
 from transformer_jax.run_config import DecodeOptions
 from transformer_jax.tasks.base import Batch, Example, Task, padded_getter
 
@@ -114,16 +114,16 @@ class EncoderTask(Task):
     return state["intermediates"], {
         "source": self._token_labels(self.tokenizer, example["tokens"])}
 
-  def serving_function(self, decode: DecodeOptions) -> Callable[[Any, jax.Array], jax.Array]:
-    if self.head["char_features"]:
-      # The exported function takes token ids only; a word's bytes would be a second input.
-      raise UserError("export --format=stablehlo: a model with model.char_features reads "
-                      "each word's bytes, which the exported (tokens -> scores) function "
-                      "does not take yet; serve it with predict.py")
-
-    def scores(params: Any, tokens: jax.Array) -> jax.Array:
-      return self._serving_scores(self.logits(params, self._serving_batch(tokens), None, False))
+  def serving_function(self, decode: DecodeOptions) -> Callable[..., jax.Array]:
+    def scores(params: Any, tokens: jax.Array, chars: jax.Array | None = None) -> jax.Array:
+      batch = self._serving_batch(tokens)
+      if chars is not None:
+        batch["chars"] = chars
+      return self._serving_scores(self.logits(params, batch, None, False))
     return scores
+
+  def serving_word_bytes(self) -> int | None:
+    return self.head["char_max_length"] if self.head["char_features"] else None
 
   def _serving_batch(self, tokens: jax.Array) -> dict[str, jax.Array]:
     """One sequence per row, with the positions and segment ids the packer writes for it

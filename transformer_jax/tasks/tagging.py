@@ -48,8 +48,7 @@ class TaggingTask(EncoderTask):
   def __init__(self, *args: Any, **kwargs: Any):
     super().__init__(*args, **kwargs)
     self._transitions = bio.allowed_transitions(self.labels)
-    self._emissions = jax.jit(lambda params, batch: self.logits(params, batch, None, False))
-    self._log_probs = jax.jit(lambda params, batch: self._serving_scores(
+    self._decode_scores = jax.jit(lambda params, batch: self._serving_scores(
         self.logits(params, batch, None, False)))
 
   # ---------------------------------------------------------------------- data
@@ -117,17 +116,17 @@ class TaggingTask(EncoderTask):
                            char_features=self.head["char_features"], crf=self.head["crf"])
 
   def _serving_scores(self, logits: jax.Array) -> jax.Array:
-    """Per-token log-probabilities (B, S, L): what the BIO Viterbi decode reads."""
+    """What the tag decode reads, (B, S, L): per-token log-probabilities, or with a CRF its
+    emission scores (the loader adds the transition scores, `serving_constants`)."""
+    if self.head["crf"]:
+      return logits.astype(jnp.float32)
     return jax.nn.log_softmax(logits.astype(jnp.float32), -1)
 
-  def serving_function(self, decode: DecodeOptions) -> Callable[[Any, jax.Array], jax.Array]:
-    if self.head["crf"]:
-      # The served decode is Viterbi over per-word scores alone; it lacks the learned
-      # transition scores.
-      raise UserError("export --format=stablehlo: a model with model.crf decodes with its "
-                      "learned transition scores, which the exported tag-score function does "
-                      "not carry yet; serve it with predict.py")
-    return super().serving_function(decode)
+  def serving_constants(self, params: Any) -> dict[str, Any]:
+    if not self.head["crf"]:
+      return {}
+    start, transitions, end = (np.asarray(s, np.float64).tolist() for s in crf_scores(params))
+    return {"crf": {"start": start, "transitions": transitions, "end": end}}
 
   def _constrained_crf_scores(self, params: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The CRF's scores with BIO's forbidden starts and transitions scoring -1e4."""
@@ -157,12 +156,12 @@ class TaggingTask(EncoderTask):
     """Tag names for each row's tokens (one sequence per row)."""
     lengths = (batch["tokens"] != PAD_ID).sum(1)
     if self.head["crf"]:   # Emission scores and the learned transitions, always with BIO.
-      emissions = np.asarray(self._emissions(params, batch))
+      emissions = np.asarray(self._decode_scores(params, batch))
       scores = tuple(np.asarray(s) for s in crf_scores(params))
       best = [bio.viterbi(row[:n], *self._transitions, scores=scores)
               for row, n in zip(emissions, lengths)]
     elif decode.bio_constrained:
-      log_probs = np.asarray(self._log_probs(params, batch))
+      log_probs = np.asarray(self._decode_scores(params, batch))
       best = [bio.viterbi(row[:n], *self._transitions) for row, n in zip(log_probs, lengths)]
     else:
       best = np.asarray(self._argmax(params, batch))
