@@ -64,7 +64,7 @@ def write(path, text: str | bytes) -> str:
 
 def shrink(config, **data):
   config.update(dict(num_train_steps=4, log_every_steps=2, eval_every_steps=4,
-                     checkpoint_every_steps=4, batch_size=8))
+                     checkpoint_every_steps=4, batch_size=8, average_checkpoints=0))
   config.data.update({"prefetch": 1, "max_length": 16, "eval_max_length": 16, **data})
   config.model.update(dict(d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
                            num_decoder_layers=1, max_len=16))

@@ -115,10 +115,14 @@ def test_one_artifact_serves_any_batch_and_length(artifacts):
   vocab = served.manifest["vocab_size"]
   for batch, length in ((1, 3), (7, 16), (32, 9), (7, served.max_len)):
     tokens = rng.integers(4, vocab, (batch, length)).astype(np.int32)
-    out = served.run(tokens)
+    chars = None
+    if served.word_bytes:   # the SST-2 config's character features: each word's bytes
+      chars = rng.integers(1, 257, (batch, length, served.word_bytes)).astype(np.int32)
+    out = served.run(tokens, chars)
     assert out.shape == (batch, len(served.labels))
     for row in (0, batch - 1):
-      np.testing.assert_allclose(out[row], served.run(tokens[row:row + 1])[0],
+      one = None if chars is None else chars[row:row + 1]
+      np.testing.assert_allclose(out[row], served.run(tokens[row:row + 1], one)[0],
                                  rtol=1e-5, atol=1e-6)
   translation = _served(artifacts["seq2seq"])
   lines = [" ".join(["eins", "zwei", "drei"][: 1 + i % 3]) for i in range(32)]

@@ -235,7 +235,8 @@ from configs import conll2003, sst2                             # noqa: E402
 
 def _shrink(config, steps: int, **data):
   config.update(dict(num_train_steps=steps, log_every_steps=steps // 2,
-                     eval_every_steps=steps, checkpoint_every_steps=steps, batch_size=8))
+                     eval_every_steps=steps, checkpoint_every_steps=steps, batch_size=8,
+                     average_checkpoints=0))
   config.data.update(dict(prefetch=1, max_length=32, eval_max_length=32, **data))
   config.model.update(dict(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
                            dropout_rate=0.0, attention_dropout_rate=0.0, max_len=32))

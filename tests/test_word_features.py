@@ -35,37 +35,35 @@ def _path_score(emissions, tags, start, transitions, end) -> float:
 
 
 def _nll(emissions, tags, start, transitions, end, positions=None) -> np.ndarray:
-  """crf.negative_log_likelihood of one row; `positions` mark packed sequences (0: a start)
-  and -1 padding."""
-  positions = np.arange(len(tags)) if positions is None else np.asarray(positions)
-  valid = positions >= 0
+  """crf.negative_log_likelihood of rows `tags` (B, T) over the same emissions (T, L);
+  `positions` mark packed sequences (0: a start) and -1 padding."""
+  tags = np.atleast_2d(tags)
+  positions = np.arange(tags.shape[1]) if positions is None else np.asarray(positions)
+  rows = np.broadcast_to(positions, tags.shape)
   return np.asarray(crf.negative_log_likelihood(
-      jnp.asarray(emissions)[None], jnp.asarray(tags)[None], jnp.asarray(valid)[None],
-      jnp.asarray(positions == 0)[None], jnp.asarray(start), jnp.asarray(transitions),
-      jnp.asarray(end)))[0]
+      jnp.broadcast_to(jnp.asarray(emissions), (*tags.shape, emissions.shape[-1])),
+      jnp.asarray(tags), jnp.asarray(rows >= 0), jnp.asarray(rows == 0), jnp.asarray(start),
+      jnp.asarray(transitions), jnp.asarray(end)))
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_crf_likelihood_is_the_brute_force_softmax_over_all_tag_sequences(seed):
   length, labels = 4, 3
   emissions, start, transitions, end = _random_crf(seed, length, labels)
-  paths = list(itertools.product(range(labels), repeat=length))
+  paths = np.array(list(itertools.product(range(labels), repeat=length)))
   scores = np.array([_path_score(emissions, p, start, transitions, end) for p in paths])
-  log_z = np.logaddexp.reduce(scores)
-  for path, score in zip(paths[::7], scores[::7]):
-    np.testing.assert_allclose(_nll(emissions, np.array(path), start, transitions, end),
-                               log_z - score, rtol=1e-5, atol=1e-4)
+  nll = _nll(emissions, paths, start, transitions, end)      # every sequence in one batch
+  np.testing.assert_allclose(nll, np.logaddexp.reduce(scores) - scores, rtol=1e-5, atol=1e-4)
   # A distribution: the probabilities of all sequences sum to 1.
-  total = sum(np.exp(-_nll(emissions, np.array(p), start, transitions, end)) for p in paths)
-  np.testing.assert_allclose(total, 1.0, rtol=1e-4)
+  np.testing.assert_allclose(np.exp(-nll).sum(), 1.0, rtol=1e-4)
 
 
 def test_crf_likelihood_of_a_packed_row_is_the_sum_over_its_sequences_and_ignores_padding():
   emissions, start, transitions, end = _random_crf(5, 7, 3)
   tags = np.array([0, 2, 1, 2, 0, 0, 0])
-  packed = _nll(emissions, tags, start, transitions, end, positions=[0, 1, 2, 0, 1, -1, -1])
-  first = _nll(emissions[:3], tags[:3], start, transitions, end)
-  second = _nll(emissions[3:5], tags[3:5], start, transitions, end)
+  packed = _nll(emissions, tags, start, transitions, end, positions=[0, 1, 2, 0, 1, -1, -1])[0]
+  first = _nll(emissions[:3], tags[:3], start, transitions, end)[0]
+  second = _nll(emissions[3:5], tags[3:5], start, transitions, end)[0]
   np.testing.assert_allclose(packed, first + second, rtol=1e-5)
 
 

@@ -54,9 +54,10 @@ def teacher_forced_sums(eval_step: EvalStep, params: Any,
 def loss_metrics(totals: dict[str, float]) -> dict[str, float]:
   """Mean loss, accuracy and perplexity from summed statistics."""
   weight = max(totals.get("weight", 0.0), 1.0)
+  with np.errstate(over="ignore"):   # an untrained model's perplexity may well be inf
+    perplexity = float(np.exp(totals.get("nll", 0.0) / weight))
   return {"loss": totals.get("loss", 0.0) / weight,
-          "accuracy": totals.get("correct", 0.0) / weight,
-          "perplexity": float(np.exp(totals.get("nll", 0.0) / weight))}
+          "accuracy": totals.get("correct", 0.0) / weight, "perplexity": perplexity}
 
 
 def ids(values: Iterable[int]) -> np.ndarray:

@@ -50,8 +50,7 @@ class EncoderTask(Task):
     if head["char_features"] and tokenizer_kind not in (None, "words"):
       raise UserError(f"model.char_features={head['char_features']} reads the characters of "
                       f"words, but data.tokenizer={tokenizer_kind!r} splits text into "
-                      "subwords; set "
-                      "data.tokenizer='words' or model.char_features=0")
+                      "subwords; set data.tokenizer='words' or model.char_features=0")
 
   def _word_features(self, words: list[str]) -> Example:
     """The per-word arrays besides token ids: each word's bytes with char_features."""
