@@ -155,14 +155,11 @@ class TaggingTask(EncoderTask):
                    decode: DecodeOptions) -> list[list[str]]:
     """Tag names for each row's tokens (one sequence per row)."""
     lengths = (batch["tokens"] != PAD_ID).sum(1)
-    if self.head["crf"]:   # Emission scores and the learned transitions, always with BIO.
-      emissions = np.asarray(self._decode_scores(params, batch))
-      scores = tuple(np.asarray(s) for s in crf_scores(params))
-      best = [bio.viterbi(row[:n], *self._transitions, scores=scores)
-              for row, n in zip(emissions, lengths)]
-    elif decode.bio_constrained:
-      log_probs = np.asarray(self._decode_scores(params, batch))
-      best = [bio.viterbi(row[:n], *self._transitions) for row, n in zip(log_probs, lengths)]
+    if self.head["crf"] or decode.bio_constrained:   # a CRF always decodes with BIO
+      per_word = np.asarray(self._decode_scores(params, batch))
+      learned = tuple(np.asarray(s) for s in crf_scores(params)) if self.head["crf"] else None
+      best = [bio.viterbi(row[:n], *self._transitions, scores=learned)
+              for row, n in zip(per_word, lengths)]
     else:
       best = np.asarray(self._argmax(params, batch))
     return [[self.labels[i] for i in row[:n]] for row, n in zip(best, lengths)]
