@@ -323,7 +323,8 @@ def _fine_tuning_config(data_dir: str, init_from: str, steps: int):
   from configs import multi30k
   config = multi30k.get_config()
   config.update(dict(num_train_steps=steps, log_every_steps=1, eval_every_steps=100,
-                     checkpoint_every_steps=3, batch_size=8, init_from=init_from))
+                     checkpoint_every_steps=3, batch_size=8, init_from=init_from,
+                     average_checkpoints=0))
   config.data.update(dict(dir=data_dir, eval_split="val", test_split="", max_length=32,
                           eval_max_length=32, prefetch=0))
   config.model.update(dict(dropout_rate=0.0))

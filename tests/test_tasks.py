@@ -185,7 +185,8 @@ def _number_corpus(folder) -> str:
 def _tiny_seq2seq_config(data_dir: str, steps: int):
   config = multi30k.get_config()
   config.update(dict(num_train_steps=steps, log_every_steps=5, eval_every_steps=100,
-                     checkpoint_every_steps=5, batch_size=8))
+                     checkpoint_every_steps=5, batch_size=8, keep_checkpoints=2,
+                     average_checkpoints=0))
   config.data.update(dict(dir=data_dir, eval_split="val", test_split="test", vocab_size=60,
                           max_length=24, eval_max_length=32, prefetch=1))
   config.model.update(dict(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,

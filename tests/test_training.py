@@ -93,6 +93,25 @@ def test_unsmoothed_loss_is_nll():
   assert float(smoothed["loss"]) != pytest.approx(nll, rel=1e-3)
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.4])
+def test_closed_form_loss_equals_the_sum_over_smoothed_targets(smoothing):
+  """The loss in closed form (no smoothed-target array) equals sum_k q_k * -log p_k with q
+  materialised, as optax computes it, in value and in gradient."""
+  vocab = 11
+  logits = _random_logits(5, (4, 6, vocab))
+  targets = jnp.asarray(np.random.default_rng(6).integers(0, vocab, size=(4, 6)), jnp.int32)
+  weights = (targets != PAD_ID).astype(jnp.float32)
+
+  def explicit(z):
+    per_token = optax.softmax_cross_entropy(z, smoothed_targets(targets, vocab, smoothing))
+    return ((per_token - smoothing_entropy(vocab, smoothing)) * weights).sum()
+
+  closed = lambda z: cross_entropy_sums(z, targets, smoothing)["loss"]
+  assert float(closed(logits)) == pytest.approx(float(explicit(logits)), rel=1e-5)
+  np.testing.assert_allclose(jax.grad(closed)(logits), jax.grad(explicit)(logits),
+                             rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_padding_does_not_contribute(smoothing):
   vocab = 9

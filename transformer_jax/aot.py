@@ -214,11 +214,87 @@ def build_programs(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
   return programs
 
 
+# ----------------------------------------------------------- where the estimated time goes
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = .*? ([a-z][\w\-]*)\((.*)$")
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_WHILE = re.compile(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+_LOOP_BOUND = re.compile(r"^\s+%?[\w.\-]+ = s32\[\]\S* constant\((\d+)\)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpBreakdown:
+  """XLA's per-instruction cost-model estimates of one compiled program."""
+  total_cycles: int                  # every loop body counted once per iteration
+  once_cycles: int                   # every loop body counted once, as cost_analysis() does
+  ops: list[tuple[str, int]]         # (source operation, cycles), largest first
+  unknown_loops: int                 # loops whose trip count could not be read
+
+
+def _trip_count(condition: list[str]) -> int | None:
+  """Iterations of a counted loop (scan, fori_loop): its condition is `i < N` for a
+  constant N, the counter starting at 0. None for any other condition."""
+  bounds = [m.group(1) for m in map(_LOOP_BOUND.match, condition) if m]
+  root = [line for line in condition if line.lstrip().startswith("ROOT ")]
+  if len(bounds) == 1 and root and " compare(" in root[0] and "direction=LT" in root[0]:
+    return int(bounds[0])
+  return None
+
+
+def op_breakdown(hlo_text: str) -> OpBreakdown:
+  """XLA's TPU cost model per instruction, summed by source operation: every top-level
+  instruction of the optimized module carries its estimate (`estimated_cycles` in its
+  backend config), and a loop's body counts once per iteration. Instructions are grouped
+  by their `op_name` metadata with layer indices merged (layer_3 -> layer_N), so
+  "encoder/layer_N/feed_forward/wi/dot_general" is that matmul in every layer."""
+  computations: dict[str, list[str]] = {}
+  entry = current = None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      current = header.group(2)
+      computations[current] = []
+      entry = current if header.group(1) else entry
+    elif current is not None and line.startswith("  "):
+      computations[current].append(line)
+  groups: dict[str, int] = {}
+  once, unknown = 0, 0
+
+  def add(name: str, times: int) -> None:
+    nonlocal once, unknown
+    for line in computations.get(name, []):
+      instruction = _INSTRUCTION.match(line)
+      if not instruction:
+        continue
+      opcode, rest = instruction.groups()
+      loop = _WHILE.search(rest) if opcode == "while" else None
+      if loop:
+        trips = _trip_count(computations.get(loop.group(1), []))
+        unknown += trips is None
+        add(loop.group(2), times * (trips or 1))
+        continue
+      cycles = _CYCLES.search(rest)
+      if cycles:
+        op = _OP_NAME.search(rest)
+        key = re.sub(r"layer_\d+", "layer_N", op.group(1) if op else opcode)
+        key = re.sub(r"^jit\([^)]*\)/", "", key)
+        groups[key] = groups.get(key, 0) + int(cycles.group(1)) * times
+        once += int(cycles.group(1))
+
+  if entry is not None:
+    add(entry, 1)
+  ranked = sorted(groups.items(), key=lambda kv: -kv[1])
+  return OpBreakdown(sum(groups.values()), once, ranked, unknown)
+
+
 # ------------------------------------------------------------------------------ report
 def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mesh,
-                    model_cfg: TransformerConfig | None = None) -> dict[str, Any]:
+                    model_cfg: TransformerConfig | None = None,
+                    top_ops: int = 0) -> dict[str, Any]:
   """Compiles `program` and reports per chip: memory, fits, FLOPs, bytes and XLA's
-  estimates."""
+  estimates; with `top_ops`, also the operations XLA estimates to take the most time
+  (`op_breakdown`)."""
   start = time.perf_counter()
   try:
     compiled = program.fn.lower(*program.args).compile()
@@ -250,6 +326,15 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
   # comes back negative, which is no estimate: kept raw in the JSON, reported as none.
   raw_seconds = cost.get("optimal_seconds")
   seconds = float(raw_seconds) if raw_seconds and raw_seconds > 0 else None
+  breakdown = op_breakdown(compiled.as_text())
+  loops_counted = (seconds is not None and breakdown.unknown_loops == 0
+                   and 0 < breakdown.once_cycles < breakdown.total_cycles)
+  if loops_counted:
+    # cost_analysis() counts a loop body once: a step that scans its layers
+    # (model.scan_layers) or its micro-batches (grad_accum_steps) would be estimated at a
+    # fraction of its time. XLA's per-instruction estimates, each loop body counted per
+    # iteration, give the factor.
+    seconds *= breakdown.total_cycles / breakdown.once_cycles
   flops, bytes_accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
   chip = topology.chip
   # Not XLA's estimate: the compiled program's FLOPs at peak or its bytes at HBM bandwidth,
@@ -270,7 +355,15 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
     result["estimated_tokens_per_s_per_chip"] = program.tokens / seconds / chips
   if seconds and program.model_flops:
     result["estimated_mfu"] = program.model_flops / (seconds * chips * chip.peak_flops)
-  if program.name == "decode":
+  if loops_counted:
+    result["note"] = ("XLA's step estimate is scaled by its per-instruction estimates "
+                      f"(x{breakdown.total_cycles / breakdown.once_cycles:.2f}) to count each "
+                      "iteration of the step's loops (scan_layers, grad_accum_steps); its "
+                      "FLOPs and bytes count each loop body once")
+  if top_ops and breakdown.total_cycles:
+    result["top_ops"] = [{"op": op, "share": cycles / breakdown.total_cycles}
+                         for op, cycles in breakdown.ops[:top_ops]]
+  if program.name == "decode" and not loops_counted:
     # A while loop: XLA's cost analysis counts its body once (one decoding step, plus the
     # encoder and the cache set-up), so its FLOPs and time are not a whole decode.
     result["note"] = "cost counts the decoding loop body once"
@@ -334,6 +427,11 @@ def format_report(header: str, results: dict[str, dict[str, Any]]) -> str:
   lines = [header, f"{'':<{width}}  " + "  ".join(f"{n:>{c}}" for n, c in zip(names, cols))]
   lines += [f"{label:<{width}}  " + "  ".join(f"{v:>{c}}" for v, c in zip(values, cols))
             for label, values in rows]
+  for n in names:
+    if results[n].get("top_ops"):
+      lines.append(f"{n}: the operations XLA's cost model estimates to take the most time "
+                   "(share of its per-instruction estimates, all layers together)")
+      lines += [f"  {100 * t['share']:5.1f}%  {t['op']}" for t in results[n]["top_ops"]]
   notes = [f"{n}: {results[n]['note']}" for n in names if "note" in results[n]]
   lines += [f"note: {ESTIMATE_NOTE} ('-': XLA gave no estimate for this chip); roofline: "
             "the compiled FLOPs at peak or bytes at HBM bandwidth, whichever is slower (our "
@@ -565,7 +663,8 @@ def main(argv: list[str]) -> None:
       return
     results = {}
     for program in build_programs(config, mesh, vocab_size, names):
-      results[program.name] = compile_program(program, topology, mesh)
+      results[program.name] = compile_program(program, topology, mesh,
+                                              top_ops=FLAGS.top_ops)
     summary["programs"] = results
     summary["batch_size"] = config.batch_size
     if FLAGS.json:
@@ -595,6 +694,8 @@ def _define_flags() -> None:
                      "within this fraction of the batch (0: exact, to one step).")
   flags.DEFINE_float("hbm_gib", None, "Judge fitting against this many GiB per chip instead "
                      "of the chip's HBM (headroom).", lower_bound=0.001)
+  flags.DEFINE_integer("top_ops", 0, "Also list the N operations that XLA's cost model "
+                       "estimates to take the most time in each program.", lower_bound=0)
   flags.DEFINE_bool("sweep_layouts", False, "Compile the train step under every (data, fsdp, "
                     "tensor) layout of the chips and mark the best.")
 
