@@ -108,6 +108,9 @@ def test_user_errors_exit_2_without_traceback():
   proc = run_cli("--topology=v5e:2x2", "--config.mesh.data=3")
   assert proc.returncode == 2 and "Traceback" not in proc.stderr
   assert "mesh" in proc.stderr.strip().splitlines()[-1]
+  proc = run_cli("--topology=v5p:2x2x1", "--top_ops=-1")    # absl rejects the value
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith("error: flag --top_ops=-1")
 
 
 def test_find_max_batch_fits_and_twice_does_not():

@@ -75,8 +75,9 @@ def unknown_config_field(error: AttributeError | KeyError) -> UserError:
 
 def run(main: Callable[[list[str]], Any]) -> None:
   """absl's `app.run(main)` for a command line: adds --verbose and reports user errors
-  in one line (see the module doc), including an override of a field that a --config file
-  lacks (ml_collections applies those while absl parses the flags, before `main`)."""
+  in one line (see the module doc), including a flag's bad value and an override of a field
+  that a --config file lacks (ml_collections applies those while absl parses the flags,
+  before `main`)."""
   from absl import app, flags
   if "verbose" not in flags.FLAGS:
     flags.DEFINE_bool("verbose", False, "On a user error, print the traceback too "
@@ -86,8 +87,17 @@ def run(main: Callable[[list[str]], Any]) -> None:
   def begin(argv: list[str]) -> Any:
     started.append(True)
     return user_errors(main)(argv)
+
+  def parse_flags(argv: list[str]) -> list[str]:
+    # absl's own parser prints a flag's bad value in two lines and exits with status 1.
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:
+      if tracebacks_wanted():
+        raise
+      exit_with(UserError(f"{e} (flags: --helpfull)"))
   try:
-    app.run(begin)
+    app.run(begin, flags_parser=parse_flags)
   except (AttributeError, KeyError) as e:
     if started or tracebacks_wanted():
       raise
