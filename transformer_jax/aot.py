@@ -326,7 +326,10 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
   # comes back negative, which is no estimate: kept raw in the JSON, reported as none.
   raw_seconds = cost.get("optimal_seconds")
   seconds = float(raw_seconds) if raw_seconds and raw_seconds > 0 else None
-  breakdown = op_breakdown(compiled.as_text())
+  # Parsing the optimized module (megabytes of text for the WMT14 models) is needed only to
+  # correct an estimate or to rank operations.
+  breakdown = (op_breakdown(compiled.as_text()) if seconds is not None or top_ops
+               else OpBreakdown(0, 0, [], 0))
   loops_counted = (seconds is not None and breakdown.unknown_loops == 0
                    and 0 < breakdown.once_cycles < breakdown.total_cycles)
   if loops_counted:
