@@ -464,6 +464,81 @@ def test_a_checkpoint_write_failure_ends_the_run_with_one_line(tmp_path):
   assert read_model(os.path.join(workdir, "checkpoints", "2")).step == 2
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 1 MiB tmpfs: a tiny-model checkpoint takes about 430 KiB, so the run's third does not fit.
+  Needs the right to mount (root, as on this project's machines and CI); skipped elsewhere."""
+  mount_point = tmp_path / "small_disk"
+  mount_point.mkdir()
+  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs",
+                            str(mount_point)], capture_output=True)
+  if mounted.returncode != 0:
+    pytest.skip("cannot mount a small tmpfs here (needs root)")
+  try:
+    yield str(mount_point)
+  finally:
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_full_disk_during_a_save_ends_the_run_with_one_line(small_disk):
+  """Orbax/TensorStore report ENOSPC as ValueError("RESOURCE_EXHAUSTED ... [os_error_code=
+  '28']") from several threads: still one line, status 2, the earlier checkpoint intact."""
+  workdir = os.path.join(small_disk, "w")
+  process = subprocess.run([sys.executable, "train.py", f"--workdir={workdir}", *TINY_FLAGS],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": ROOT})
+  assert process.returncode == 2, process.stderr[-3000:]
+  errors_ = [line for line in process.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors_) == 1 and "no space left on device" in errors_[0], process.stderr[-3000:]
+  assert "Traceback" not in process.stderr and "Event loop is closed" not in process.stderr
+  steps = [int(name) for name in os.listdir(os.path.join(workdir, "checkpoints"))
+           if name.isdigit()]
+  from transformer_jax.checkpoint import read_model
+  assert steps and max(steps) < 6, steps          # the run had 6 steps; the last save failed
+  assert read_model(os.path.join(workdir, "checkpoints", str(max(steps)))).step == max(steps)
+
+
+def test_a_learning_rate_that_makes_the_loss_nan_is_a_user_error(tmp_path):
+  workdir = str(tmp_path / "w")
+  status, output = finish(start("train.py", f"--workdir={workdir}", *TINY_FLAGS,
+                                "--config.optimizer.learning_rate=1e38"))
+  errors_ = [line for line in output.splitlines() if line.startswith("error:")]
+  assert status == 2 and len(errors_) == 1 and "Traceback" not in output
+  assert "non-finite loss" in errors_[0] and "--config.optimizer.learning_rate" in errors_[0]
+
+
+@pytest.mark.parametrize("body, culprit", [
+    ("def get_config(:\n  return None\n", ":1: invalid syntax"),
+    ("import ml_collections\n\ndef get_config():\n  return no_such_name\n",
+     ":4: NameError: name 'no_such_name' is not defined"),
+])
+def test_a_config_file_that_fails_to_load_is_named_with_its_line(tmp_path, body, culprit):
+  path = tmp_path / "broken.py"
+  path.write_text(body)
+  status, output = finish(start("train.py", f"--config={path}", f"--workdir={tmp_path / 'w'}"))
+  assert status == 2 and "Traceback" not in output
+  assert output.strip().splitlines() == [output.strip()] and output.startswith("error: ")
+  assert f"{path}{culprit}" in output
+  assert not os.path.exists(tmp_path / "w")
+
+
+def test_write_failures_are_recognised_in_every_form_orbax_gives():
+  from transformer_jax.checkpoint.manager import write_failure_reason
+  tensorstore = ValueError('RESOURCE_EXHAUSTED: Error writing "params.x/0" in OCDBT database '
+                           "at local file \"/w/checkpoints/4.orbax-checkpoint-tmp/\": Failed to "
+                           "write 562396 bytes to file 6: No space left on device "
+                           "[os_error_code='28']")
+  assert write_failure_reason(tensorstore) == "no space left on device"
+  try:
+    try:
+      raise OSError(30, "Read-only file system")
+    except OSError as e:
+      raise RuntimeError("background save failed") from e
+  except RuntimeError as chained:
+    assert write_failure_reason(chained) == "read-only file system"
+  assert write_failure_reason(ValueError("shapes differ")) is None
+
+
 def test_train_py_reports_a_user_error_in_one_line(tmp_path):
   workdir = str(tmp_path / "w")
   status, output = finish(start("train.py", f"--workdir={workdir}", "--config.batch_size=0"))

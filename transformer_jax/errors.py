@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import sysconfig
+import traceback
 from typing import Any, Callable, NoReturn, TypeVar
 
 EXIT_STATUS = 2
@@ -73,6 +75,26 @@ def unknown_config_field(error: AttributeError | KeyError) -> UserError:
                    "config file lists the valid fields")
 
 
+def config_file_error(error: BaseException) -> UserError | None:
+  """The user error for a config file (`--config=FILE`) that fails to load: a syntax error,
+  or an exception raised by its own code, named by file and line. None if `error` did not
+  come from a file of the user's (its innermost frames are all in installed packages)."""
+  if isinstance(error, SyntaxError) and error.filename:
+    return UserError(f"{error.filename}:{error.lineno}: {error.msg} (the config file does not "
+                     "parse; fix that line)")
+  library_dirs = (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"],
+                  os.path.dirname(os.path.abspath(__file__)))
+  for frame in reversed(traceback.extract_tb(error.__traceback__)):
+    path = os.path.abspath(frame.filename)
+    if frame.filename.startswith("<") or path.startswith(library_dirs):
+      continue
+    if path == os.path.abspath(sys.argv[0]):
+      return None   # The command itself: a bug, not the user's file.
+    return UserError(f"{frame.filename}:{frame.lineno}: {type(error).__name__}: {error} (the "
+                     "config file raised this while loading; fix it)")
+  return None
+
+
 def run(main: Callable[[list[str]], Any]) -> None:
   """absl's `app.run(main)` for a command line: adds --verbose and reports user errors
   in one line (see the module doc), including a flag's bad value and an override of a field
@@ -96,6 +118,11 @@ def run(main: Callable[[list[str]], Any]) -> None:
       if tracebacks_wanted():
         raise
       exit_with(UserError(f"{e} (flags: --helpfull)"))
+    except Exception as e:  # Loading a --config file runs the user's code.
+      problem = config_file_error(e)
+      if problem is None or tracebacks_wanted():
+        raise
+      exit_with(problem)
   try:
     app.run(begin, flags_parser=parse_flags)
   except (AttributeError, KeyError) as e:

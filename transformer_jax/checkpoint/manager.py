@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import logging as std_logging
 import os
+import re
+import sys
 import threading
 import uuid
 from typing import Any, Callable, Iterable, Sequence, TypeVar
@@ -48,12 +50,22 @@ class CheckpointWriteError(UserError):
   """The checkpoint directory cannot be written."""
 
 
-def _os_error(error: BaseException | None) -> OSError | None:
-  """The OSError that caused `error` (Orbax re-raises its threads' errors), if any."""
+# TensorStore (under Orbax) reports a failed write as ValueError("RESOURCE_EXHAUSTED: ...
+# No space left on device [os_error_code='28']"), not as an OSError.
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)'?")
+
+
+def write_failure_reason(error: BaseException | None) -> str | None:
+  """Why a write failed, in a few lowercase words ("no space left on device"), if `error` or
+  an error that caused it is a file-system failure (an OSError, or Orbax/TensorStore's
+  message carrying the OS error code); None for anything else."""
   seen = set()
   while error is not None and id(error) not in seen:
     if isinstance(error, OSError):
-      return error
+      return (error.strerror or str(error)).lower()
+    code = _OS_ERROR_CODE.search(str(error))
+    if code:
+      return os.strerror(int(code.group(1))).lower()
     seen.add(id(error))
     error = error.__cause__ or error.__context__
   return None
@@ -97,13 +109,33 @@ def _check_items(arrays: dict[str, Any]) -> None:
 
 
 class _WithoutSaveFailureTracebacks(std_logging.Filter):
-  """Orbax logs a failed background save with its traceback (twice); the failure is
-  raised to the trainer as one CheckpointWriteError instead."""
+  """Orbax logs a failed background save from each of its threads (with tracebacks), and
+  asyncio then logs every future whose error nobody read; the failure is raised to the
+  trainer as one CheckpointWriteError instead."""
+  _MESSAGES = ("background save thread", "Finalize thread", "raised an exception",
+               "exception was never retrieved")
 
   def filter(self, record: std_logging.LogRecord) -> bool:
     message = record.getMessage()
-    return tracebacks_wanted() or not (record.levelno >= std_logging.ERROR and (
-        "background save thread" in message or "Finalize thread" in message))
+    return tracebacks_wanted() or not (record.levelno >= std_logging.ERROR and any(
+        m in message for m in self._MESSAGES))
+
+
+def _quiet_closed_event_loops() -> None:
+  """After a failed save, TensorStore's callbacks into Orbax's closed event loops end in
+  RuntimeError("Event loop is closed"), which Python reports through sys.unraisablehook as
+  soon as the write fails: silenced, as they only repeat the failure that `save` reports."""
+  if getattr(sys.unraisablehook, "quiets_closed_loops", False):
+    return
+  previous = sys.unraisablehook
+
+  def unraisablehook(unraisable: Any) -> None:
+    closed_loop = (isinstance(unraisable.exc_value, RuntimeError)
+                   and str(unraisable.exc_value) == "Event loop is closed")
+    if tracebacks_wanted() or not closed_loop:
+      previous(unraisable)
+  unraisablehook.quiets_closed_loops = True  # type: ignore[attr-defined]
+  sys.unraisablehook = unraisablehook
 
 
 class _WithoutMissingMetricsWarning(std_logging.Filter):
@@ -133,7 +165,9 @@ class TrainCheckpoints:
     self.directory = absolute(directory)
     self.run_config, self.tokenizer = run_config, tokenizer
     self.failed = False
-    std_logging.getLogger("absl").addFilter(_SAVE_FAILURE_FILTER)  # Added once.
+    for logger in ("absl", "asyncio"):
+      std_logging.getLogger(logger).addFilter(_SAVE_FAILURE_FILTER)  # Added once.
+    _quiet_closed_event_loops()
     self.best_metric = best_metric if keep_best else ""
     policies = ocp.checkpoint_managers
     saves = [policies.FixedIntervalPolicy(n) for n in save_interval_steps]
@@ -157,11 +191,10 @@ class TrainCheckpoints:
     try:
       return write()
     except Exception as e:
-      cause = _os_error(e)
-      if cause is None:
+      reason = write_failure_reason(e)
+      if reason is None:
         raise
       self.failed = True
-      reason = (cause.strerror or str(cause)).lower()
       raise CheckpointWriteError(f"cannot write checkpoint to {self.directory}: {reason} "
                                  f"(the checkpoints before it are intact)") from e
 

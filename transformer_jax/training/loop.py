@@ -24,15 +24,16 @@ from transformer_jax.preemption import PreemptionWatcher
 from transformer_jax.training.experiment import Experiment
 from transformer_jax.training.state import checkpoint_arrays, state_from_checkpoint
 from transformer_jax.training.workdir_lock import WorkdirLock
-from transformer_jax.errors import MissingFileError
+from transformer_jax.errors import MissingFileError, UserError
 from transformer_jax.files import atomic_write_json
 
 CONFIG_FILE = "config.json"
 Samples = list[tuple[str, str, str]]
 
 
-class NonFiniteLossError(RuntimeError):
-  """Training produced a NaN or Inf loss or gradient."""
+class NonFiniteLossError(UserError):
+  """Training produced a NaN or Inf loss or gradient: most often a learning rate too high for
+  the model, so a user error (one line, exit status 2) naming the step and what to lower."""
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -344,6 +345,7 @@ def _check_finite(host_metrics: list[tuple[int, dict]], policy: str) -> list[tup
     if metrics["nonfinite"] and policy == "stop":
       raise NonFiniteLossError(
           f"non-finite loss or gradient at step {step} (loss={float(metrics['loss'])}); "
-          "training stopped and no checkpoint was written after it. Lower the learning rate, "
-          "enable gradient clipping, or set --config.nonfinite=skip to skip such steps.")
+          "training stopped and no checkpoint was written after it. Lower "
+          "--config.optimizer.learning_rate, set --config.optimizer.clip_grad_norm, or skip "
+          "such steps with --config.nonfinite=skip")
   return host_metrics
