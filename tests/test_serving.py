@@ -1,4 +1,4 @@
-"""Served models (transformer_jax/serving.py, serve.py): the StableHLO artifact of each task
+"""Served models (transformer_jax/serving/, serve.py): the StableHLO artifact of each task
 kind gives predict's outputs (the same translations token for token, the same labels and
 tags), serves any batch and length from one export, loads in a fresh process where Flax
 cannot be imported, and the HTTP server answers good input, refuses bad input with 400 and
@@ -268,3 +268,15 @@ def test_server_stays_correct_under_concurrent_load(server, artifacts):
   report = run_load(server, [[line] for line in lines] + [lines[:3], lines[2:]], expected,
                     requests=200, clients=8, time_limit=300)
   assert report["requests"] == 200 and report["errors"] == [] and report["wrong"] == 0
+
+
+def test_serve_user_errors_exit_2(artifacts, tmp_path):
+  """The server command fails as the other commands do: one `error:` line, status 2."""
+  for args, message in (([f"--model={tmp_path / 'none'}"], "manifest.json is missing"),
+                        ([f"--model={artifacts['seq2seq']}", "--max_batch=0"], "max_batch"),
+                        ([], "--model")):
+    run = subprocess.run([sys.executable, "-m", "transformer_jax.serve", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 2 and message in run.stderr, (args, run.stderr)
+    assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
