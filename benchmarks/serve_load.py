@@ -107,13 +107,15 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def start_server(model: str, max_batch: int, max_wait_ms: float,
-                 timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
-  """serve.py on a free port of 127.0.0.1; returns it once /healthz answers."""
+def start_server(model: str, max_batch: int, max_wait_ms: float, timeout: float = 300.0,
+                 extra_args: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
+  """serve.py on a free port of 127.0.0.1 (with `extra_args`); returns it once /healthz
+  answers."""
   port = _free_port()
   process = subprocess.Popen(
       [sys.executable, "-m", "transformer_jax.serve", f"--model={model}", "--host=127.0.0.1",
-       f"--port={port}", f"--max_batch={max_batch}", f"--max_wait_ms={max_wait_ms}"],
+       f"--port={port}", f"--max_batch={max_batch}", f"--max_wait_ms={max_wait_ms}",
+       *extra_args],
       cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True)
   url = f"http://127.0.0.1:{port}"

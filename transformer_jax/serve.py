@@ -2,19 +2,26 @@
 
   python -m transformer_jax.serve --model=DIR [--host=127.0.0.1] [--port=8080]
       [--max_batch=32] [--max_wait_ms=5] [--max_inputs=64] [--max_body_bytes=1048576]
+      [--listen_backlog=128] [--model_name=NAME] [--model_version=V]
+      [--shutdown_timeout_s=30] [--request_log=FILE]
 
   POST /v1/predict  {"inputs": ["line", ...]}  ->  200 {"outputs": ["output", ...]}
-  GET  /healthz                                 ->  200 {"status": "ok", "task", "fingerprint"}
+  GET  /healthz     ->  200 {"status": "ok", "name", "version", "task", "fingerprint"}
+  GET  /metrics     ->  Prometheus text format
 
-The batcher gathers the lines of concurrent requests until `max_batch` lines or
-`max_wait_ms` after the first and runs them as one model call (transformer_jax/serving/
-batching.py); the handler (serving/server.py) answers bad requests 4xx with a JSON error.
-Like the loader, it needs only jax, numpy, sentencepiece and absl.
+The batcher runs the lines of concurrent requests together, one length bucket per model
+call (transformer_jax/serving/batching.py); the handler (serving/server.py) answers bad
+requests 4xx with a JSON error. SIGTERM (or Ctrl-C) stops accepting connections, lets the
+requests in flight finish (up to --shutdown_timeout_s) and exits with status 0.
 """
 
 from __future__ import annotations
 
-import http.server
+import json
+import os
+import signal
+import threading
+from typing import Any
 
 from absl import app, flags
 
@@ -22,7 +29,7 @@ from transformer_jax import errors
 from transformer_jax.errors import UserError
 from transformer_jax.serving import ArtifactError, Served
 from transformer_jax.serving.batching import Batcher
-from transformer_jax.serving.server import make_handler
+from transformer_jax.serving.server import InFlight, Limits, Server, make_handler
 
 FLAGS = flags.FLAGS
 
@@ -35,11 +42,38 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.", **define)
   flags.DEFINE_integer("port", 8080, "Port to listen on.", **define)
   flags.DEFINE_integer("max_batch", 32, "Lines per model call.", lower_bound=1, **define)
-  flags.DEFINE_float("max_wait_ms", 5.0, "How long the first request of a batch waits for "
-                     "others.", lower_bound=0.0, **define)
-  flags.DEFINE_integer("max_inputs", 64, "Lines per request.", lower_bound=1, **define)
+  flags.DEFINE_float("max_wait_ms", 5.0, "How long the first line after an idle spell "
+                     "waits for others.", lower_bound=0.0, **define)
+  flags.DEFINE_integer("max_inputs", 64, "Lines per request; more are answered 413.",
+                       lower_bound=1, **define)
   flags.DEFINE_integer("max_body_bytes", 1 << 20, "Largest request body; larger ones are "
                        "answered 413.", lower_bound=1, **define)
+  flags.DEFINE_integer("listen_backlog", 128, "Connections the kernel queues before "
+                       "accept.", lower_bound=1, **define)
+  flags.DEFINE_string("model_name", None, "Name in /healthz; default: the --model "
+                      "directory's name.", **define)
+  flags.DEFINE_string("model_version", None, "Version in /healthz; default: the first 12 "
+                      "hex digits of the artifact's fingerprint.", **define)
+  flags.DEFINE_float("shutdown_timeout_s", 30.0, "On SIGTERM, how long requests in flight "
+                     "may take to finish.", lower_bound=0.0, **define)
+  flags.DEFINE_string("request_log", None, "Append one JSON line per answered prediction "
+                      "(latency, queue wait, model calls, output lengths).", **define)
+
+
+def _request_logger(path: str | None) -> Any:
+  if path is None:
+    return None, None
+  try:
+    stream = open(path, "a")
+  except OSError as e:
+    raise UserError(f"--request_log={path}: {e}") from e
+  lock = threading.Lock()
+
+  def log(record: dict) -> None:
+    with lock:
+      stream.write(json.dumps(record) + "\n")
+      stream.flush()
+  return log, stream
 
 
 def main(argv: list[str]) -> None:
@@ -49,23 +83,37 @@ def main(argv: list[str]) -> None:
     served = Served.load(FLAGS.model, max_rows=FLAGS.max_batch)
   except (ArtifactError, FileNotFoundError) as e:
     raise UserError(f"--model={FLAGS.model}: {e}") from e
+  identity = {"name": FLAGS.model_name or os.path.basename(os.path.abspath(FLAGS.model)),
+              "version": FLAGS.model_version or served.fingerprint[:12]}
+  log, log_stream = _request_logger(FLAGS.request_log)
   batcher = Batcher(served, FLAGS.max_batch, FLAGS.max_wait_ms / 1000)
+  in_flight = InFlight()
+  handler = make_handler(served, batcher, Limits(FLAGS.max_inputs, FLAGS.max_body_bytes),
+                         identity, in_flight, log)
   try:
-    server = http.server.ThreadingHTTPServer(
-        (FLAGS.host, FLAGS.port),
-        make_handler(served, batcher, FLAGS.max_inputs, FLAGS.max_body_bytes))
+    server = Server((FLAGS.host, FLAGS.port), handler, FLAGS.listen_backlog)
   except OSError as e:
     raise UserError(f"cannot listen on {FLAGS.host}:{FLAGS.port}: {e}; choose another "
                     "--port or --host") from e
-  server.daemon_threads = True
-  print(f"serving {served.manifest['task']} model {FLAGS.model} on "
-        f"http://{FLAGS.host}:{FLAGS.port} (POST /v1/predict, GET /healthz)", flush=True)
+
+  def stop(signum: int, frame: Any) -> None:
+    # serve_forever runs in this (the main) thread: shutdown() must come from another.
+    in_flight.draining = True
+    threading.Thread(target=server.shutdown, daemon=True).start()
+  signal.signal(signal.SIGTERM, stop)
+  signal.signal(signal.SIGINT, stop)
+  print(f"serving {served.manifest['task']} model {identity['name']} version "
+        f"{identity['version']} on http://{FLAGS.host}:{FLAGS.port} (POST /v1/predict, "
+        "GET /healthz, GET /metrics)", flush=True)
   try:
     server.serve_forever()
-  except KeyboardInterrupt:
-    pass
   finally:
-    server.server_close()
+    server.server_close()            # no new connections from here on
+    finished = in_flight.wait(FLAGS.shutdown_timeout_s)
+    if log_stream is not None:
+      log_stream.close()
+  print("stopped" + ("" if finished else f": requests still in flight after "
+                     f"{FLAGS.shutdown_timeout_s} s were cut off"), flush=True)
 
 
 if __name__ == "__main__":

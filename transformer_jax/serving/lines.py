@@ -135,11 +135,22 @@ class Served:
     for length, members in sorted(groups.items()):
       for start in range(0, len(members), self.max_rows):
         chunk = members[start:start + self.max_rows]
-        lines = [encoded[i] for i in chunk]
-        out = self.run(*self._pad(lines, length))[:len(lines)]
-        for index, text in zip(chunk, self._outputs(self, out, [len(l.ids) for l in lines])):
+        texts, _ = self.predict_bucket([encoded[i] for i in chunk], length)
+        for index, text in zip(chunk, texts):
           outputs[index] = text
     return outputs
+
+  def predict_bucket(self, lines: Sequence[EncodedLine],
+                     length: int) -> tuple[list[str], list[int]]:
+    """One model call on at most max_rows lines padded to `length` (their bucket): the
+    outputs, and each line's output length in tokens (a translation's up to EOS; for
+    other tasks the line's own)."""
+    out = self.run(*self._pad(lines, length))[:len(lines)]
+    lengths = [len(line.ids) for line in lines]
+    texts = self._outputs(self, out, lengths)
+    if self.manifest["output"] == "token_ids":
+      lengths = [len(strip_special(row)) for row in out]
+    return texts, lengths
 
   def _pad(self, lines: Sequence[EncodedLine],
            length: int) -> tuple[np.ndarray, np.ndarray | None]:
