@@ -2,7 +2,7 @@
 from concurrent clients, every answer checked against the artifact's own outputs.
 
   python -m benchmarks.serve_load --model=DIR --inputs=FILE [--requests=200] [--clients=8]
-      [--lines_per_request=1] [--max_batch=32] [--max_wait_ms=5] [--json]
+      [--lines_per_request=1] [--max_batch=32] [--max_wait_ms=5] [--request_log=FILE] [--json]
 
 Starts the server on 127.0.0.1 (a free port) as a subprocess, computes the expected output
 of every input line in this process with `Served` (the same artifact), sends untimed
@@ -107,13 +107,15 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def start_server(model: str, max_batch: int, max_wait_ms: float,
-                 timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
-  """serve.py on a free port of 127.0.0.1; returns it once /healthz answers."""
+def start_server(model: str, max_batch: int, max_wait_ms: float, timeout: float = 300.0,
+                 extra_args: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
+  """serve.py on a free port of 127.0.0.1 (with `extra_args`); returns it once /healthz
+  answers."""
   port = _free_port()
   process = subprocess.Popen(
       [sys.executable, "-m", "transformer_jax.serve", f"--model={model}", "--host=127.0.0.1",
-       f"--port={port}", f"--max_batch={max_batch}", f"--max_wait_ms={max_wait_ms}"],
+       f"--port={port}", f"--max_batch={max_batch}", f"--max_wait_ms={max_wait_ms}",
+       *extra_args],
       cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True)
   url = f"http://127.0.0.1:{port}"
@@ -130,6 +132,36 @@ def start_server(model: str, max_batch: int, max_wait_ms: float,
   raise RuntimeError(f"the server did not start: {process.communicate()[0]}")
 
 
+def _count_lines(path: str | None) -> int:
+  if not path or not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    return sum(1 for _ in f)
+
+
+def where_the_time_went(path: str, skip: int) -> dict[str, dict[str, float]]:
+  """From the server's request log (past its first `skip` records, the warm-up): for all
+  requests and for the slowest 1%, the mean latency, queue wait, model-call seconds,
+  compile seconds, lines per call, padded length and output tokens."""
+  with open(path) as f:
+    records = [json.loads(line) for line in list(f)[skip:]]
+  records.sort(key=lambda r: r["latency_s"])
+
+  def summary(group: list[dict]) -> dict[str, float]:
+    calls = [c for r in group for c in r["calls"]]
+    tokens = [t for r in group for t in r["decode_tokens"]]
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0   # noqa: E731
+    return {"requests": len(group), "latency_s": mean([r["latency_s"] for r in group]),
+            "queue_wait_s": mean([r["queue_wait_s"] for r in group]),
+            "call_s": mean([c["seconds"] for c in calls]),
+            "compile_s": mean([c["compile_s"] for c in calls]),
+            "lines_per_call": mean([c["lines"] for c in calls]),
+            "bucket": mean([c["bucket"] for c in calls]),
+            "decode_tokens": mean(tokens), "max_decode_tokens": max(tokens, default=0)}
+  return {"all": summary(records),
+          "slowest_1pct": summary(records[-max(1, len(records) // 100):])}
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", required=True, help="artifact directory")
@@ -140,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--max_batch", type=int, default=32)
   parser.add_argument("--max_wait_ms", type=float, default=5.0)
   parser.add_argument("--time_limit", type=float, default=600.0)
+  parser.add_argument("--request_log", help="the server's per-request log (serve "
+                      "--request_log); the timed requests are summarised from it")
   parser.add_argument("--json", action="store_true")
   args = parser.parse_args(argv)
   if min(args.requests, args.clients, args.lines_per_request) < 1:
@@ -152,13 +186,18 @@ def main(argv: list[str] | None = None) -> None:
   n = args.lines_per_request
   requests_lines = [[lines[(i + j) % len(lines)] for j in range(n)] for i in range(len(lines))]
   expected = dict(zip(lines, Served.load(args.model).predict(lines)))
-  process, url = start_server(args.model, args.max_batch, args.max_wait_ms)
+  log_args = [f"--request_log={args.request_log}"] if args.request_log else []
+  process, url = start_server(args.model, args.max_batch, args.max_wait_ms,
+                              extra_args=log_args)
   try:
     # Warm-up, untimed: every request shape compiles once, alone and batched by 8 clients.
     run_load(url, requests_lines, expected, requests=len(requests_lines), clients=1)
     run_load(url, requests_lines, expected, requests=4 * len(requests_lines), clients=8)
+    logged = _count_lines(args.request_log)
     report = run_load(url, requests_lines, expected, requests=args.requests,
                       clients=args.clients, time_limit=args.time_limit)
+    if args.request_log:
+      report["where"] = where_the_time_went(args.request_log, logged)
   finally:
     process.terminate()
     process.wait(timeout=60)
@@ -172,6 +211,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{len(report['errors'])} errors; {args.clients} clients, {n} line(s) each: "
           f"{report['requests_per_s']:.1f} requests/s, p50 {report['p50_ms']:.1f} ms, "
           f"p99 {report['p99_ms']:.1f} ms")
+    if "where" in report:
+      for group, values in report["where"].items():
+        print(f"  {group}: " + ", ".join(f"{k} {v:.3g}" for k, v in values.items()))
   if report["wrong"] or report["errors"]:
     sys.exit(1)
 

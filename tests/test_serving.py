@@ -1,8 +1,7 @@
-"""Served models (transformer_jax/serving.py, serve.py): the StableHLO artifact of each task
+"""Served models (transformer_jax/serving/, serve.py): the StableHLO artifact of each task
 kind gives predict's outputs (the same translations token for token, the same labels and
-tags), serves any batch and length from one export, loads in a fresh process where Flax
-cannot be imported, and the HTTP server answers good input, refuses bad input with 400 and
-a JSON error, and stays correct under concurrent load."""
+tags), serves any batch and length from one export, and loads in a fresh process where Flax
+cannot be imported. The HTTP server: tests/test_serve.py."""
 
 from __future__ import annotations
 
@@ -11,8 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -214,57 +211,3 @@ def test_export_user_errors_exit_2(workdirs, artifacts, tmp_path):
                          timeout=600, env=env)
     assert run.returncode == 2 and message in run.stderr
     assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
-
-
-# ------------------------------------------------------------------------- the server
-@pytest.fixture(scope="module")
-def server(artifacts):
-  """serve.py on 127.0.0.1 (a free port) with the translation artifact."""
-  from benchmarks.serve_load import start_server
-  process, url = start_server(artifacts["seq2seq"], max_batch=8, max_wait_ms=5)
-  yield url
-  process.terminate()
-  process.wait(timeout=60)
-
-
-def _post(url: str, body: bytes) -> tuple[int, dict]:
-  request = urllib.request.Request(url + "/v1/predict", data=body, method="POST",
-                                   headers={"Content-Type": "application/json"})
-  try:
-    with urllib.request.urlopen(request, timeout=120) as response:
-      return response.status, json.loads(response.read())
-  except urllib.error.HTTPError as e:
-    return e.code, json.loads(e.read())
-
-
-def test_server_answers_good_input_and_refuses_bad_input(server, artifacts):
-  lines = LINES["seq2seq"][:3]
-  expected = _served(artifacts["seq2seq"]).predict(lines)
-  good = json.dumps({"inputs": lines}).encode()
-  assert _post(server, good) == (200, {"outputs": expected})
-  too_long = " ".join(["eins"] * 200)
-  for body in (json.dumps({"inputs": "eins zwei"}).encode(),     # not a list
-               json.dumps({"inputs": ["eins", 3]}).encode(),     # not a string
-               json.dumps({"text": ["eins"]}).encode(),          # no "inputs"
-               json.dumps({"inputs": [too_long]}).encode(),      # over max_len
-               b"",                                              # empty body
-               b"{not json"):
-    status, answer = _post(server, body)
-    assert status == 400, (body, status, answer)
-    assert isinstance(answer.get("error"), str) and answer["error"]
-  assert _post(server, good) == (200, {"outputs": expected})     # Still serving.
-  with urllib.request.urlopen(server + "/healthz", timeout=30) as response:
-    health = json.loads(response.read())
-  assert health["status"] == "ok" and health["task"] == "seq2seq"
-
-
-def test_server_stays_correct_under_concurrent_load(server, artifacts):
-  """200 requests from 8 clients (bounded in count and time): every answer is the
-  artifact's own output for its inputs, whatever it was batched with."""
-  from benchmarks.serve_load import run_load
-  lines = LINES["seq2seq"]
-  served = _served(artifacts["seq2seq"])
-  expected = dict(zip(lines, served.predict(lines)))
-  report = run_load(server, [[line] for line in lines] + [lines[:3], lines[2:]], expected,
-                    requests=200, clients=8, time_limit=300)
-  assert report["requests"] == 200 and report["errors"] == [] and report["wrong"] == 0

@@ -8,7 +8,7 @@ as a params-only checkpoint with the run's config and tokenizer:
 It is written to W/exports/step_<S>[_avg<N>]/ (or --output), loads without the optimizer
 state or the workdir, and `predict` prefers it to the checkpoint of the same step.
 
-With --format=stablehlo it writes a served model instead (transformer_jax/serving.py): the
+With --format=stablehlo it writes a served model instead (transformer_jax/serving/): the
 whole inference function as a serialized `jax.export.Exported` with symbolic batch and
 length, the parameters as arrays beside it, tokenizer files, labels and a manifest:
 

@@ -9,7 +9,7 @@ the jitted step free of host synchronisation.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -70,3 +70,9 @@ def bucket_lengths(max_length: int, smallest: int = 16) -> list[int]:
     out.append(length)
     length *= 2
   return out + [max_length]
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> int:
+  """The smallest of `buckets` (ascending, from bucket_lengths) that holds `length`
+  tokens; the largest for a longer one (which the caller truncates or refuses)."""
+  return next((b for b in buckets if b >= length), buckets[-1])

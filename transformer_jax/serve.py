@@ -1,220 +1,121 @@
 """An HTTP server for a served model (an artifact of `export --format=stablehlo`):
 
   python -m transformer_jax.serve --model=DIR [--host=127.0.0.1] [--port=8080]
-      [--max_batch=32] [--max_wait_ms=5] [--max_inputs=64]
+      [--max_batch=32] [--max_wait_ms=5] [--max_inputs=64] [--max_body_bytes=1048576]
+      [--listen_backlog=128] [--model_name=NAME] [--model_version=V]
+      [--shutdown_timeout_s=30] [--request_log=FILE]
 
   POST /v1/predict  {"inputs": ["line", ...]}  ->  200 {"outputs": ["output", ...]}
-  GET  /healthz                                 ->  200 {"status": "ok", "task", "fingerprint"}
+  GET  /healthz     ->  200 {"status": "ok", "name", "version", "task", "fingerprint"}
+  GET  /metrics     ->  Prometheus text format
 
-Bad input (no or invalid JSON, no "inputs" list, a non-string, too many inputs, a line over
-the model's max_len tokens, an oversized body) is answered 400 with {"error": "..."}.
-
-Built on the standard library's ThreadingHTTPServer: one thread per connection parses and
-checks the request, and one batching thread runs the model. It gathers the lines of
-concurrent requests until `max_batch` lines or `max_wait_ms` after the first, runs them as
-one call, and hands each request its outputs. The model call is the bottleneck and it runs
-on one thread anyway, so an async framework would add a dependency without adding
-throughput; the tests drive this server with concurrent clients. Like the loader, it needs
-only jax, numpy and sentencepiece.
+The batcher runs the lines of concurrent requests together, one length bucket per model
+call (transformer_jax/serving/batching.py); the handler (serving/server.py) answers bad
+requests 4xx with a JSON error. SIGTERM (or Ctrl-C) stops accepting connections, lets the
+requests in flight finish (up to --shutdown_timeout_s) and exits with status 0.
 """
 
 from __future__ import annotations
 
-import argparse
-import http.server
 import json
-import queue
-import sys
+import os
+import signal
 import threading
-import time
 from typing import Any
 
-from transformer_jax.inputs import InputError
-from transformer_jax.serving import ArtifactError, EncodedLine, Served
+from absl import app, flags
+
+from transformer_jax import errors
+from transformer_jax.errors import UserError
+from transformer_jax.serving import ArtifactError, Served
+from transformer_jax.serving.batching import Batcher
+from transformer_jax.serving.server import InFlight, Limits, Server, make_handler
+
+FLAGS = flags.FLAGS
 
 
-class _Pending:
-  """One request's encoded lines, waiting for the batcher."""
-
-  def __init__(self, encoded: list[EncodedLine]):
-    self.encoded = encoded
-    self.outputs: list[str] | None = None
-    self.error: str | None = None
-    self.done = threading.Event()
-
-
-class Batcher:
-  """Runs `served` on the lines of concurrent requests together (see the module doc)."""
-
-  def __init__(self, served: Served, max_batch: int, max_wait_s: float):
-    self.served, self.max_batch, self.max_wait_s = served, max_batch, max_wait_s
-    self._queue: queue.Queue[_Pending] = queue.Queue()
-    self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
-    self._thread.start()
-
-  def predict(self, encoded: list[EncodedLine]) -> list[str]:
-    """Blocks until the outputs of `encoded` (lines through Served.encode) are ready."""
-    pending = _Pending(encoded)
-    self._queue.put(pending)
-    pending.done.wait()
-    if pending.error is not None:
-      raise RuntimeError(pending.error)
-    return pending.outputs
-
-  def _loop(self) -> None:
-    while True:
-      batch = [self._queue.get()]
-      size = len(batch[0].encoded)
-      deadline = time.monotonic() + self.max_wait_s
-      while size < self.max_batch:
-        try:
-          item = self._queue.get(timeout=max(deadline - time.monotonic(), 0.0))
-        except queue.Empty:
-          break
-        batch.append(item)
-        size += len(item.encoded)
-      self._run(batch)
-
-  def _run(self, batch: list[_Pending]) -> None:
-    try:
-      outputs = self.served.predict_ids([ids for p in batch for ids in p.encoded])
-    except Exception as e:  # noqa: BLE001  (a model failure is answered, not fatal)
-      for p in batch:
-        p.error = f"{type(e).__name__}: {e}"
-        p.done.set()
-      return
-    start = 0
-    for p in batch:
-      p.outputs = outputs[start:start + len(p.encoded)]
-      start += len(p.encoded)
-      p.done.set()
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+  """The command-line flags, defined only when this module is the program."""
+  define = dict(flag_values=flag_values)
+  flags.DEFINE_string("model", None, "Artifact directory (export --format=stablehlo).",
+                      required=True, **define)
+  flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.", **define)
+  flags.DEFINE_integer("port", 8080, "Port to listen on.", **define)
+  flags.DEFINE_integer("max_batch", 32, "Lines per model call.", lower_bound=1, **define)
+  flags.DEFINE_float("max_wait_ms", 5.0, "How long the first line after an idle spell "
+                     "waits for others.", lower_bound=0.0, **define)
+  flags.DEFINE_integer("max_inputs", 64, "Lines per request; more are answered 413.",
+                       lower_bound=1, **define)
+  flags.DEFINE_integer("max_body_bytes", 1 << 20, "Largest request body; larger ones are "
+                       "answered 413.", lower_bound=1, **define)
+  flags.DEFINE_integer("listen_backlog", 128, "Connections the kernel queues before "
+                       "accept.", lower_bound=1, **define)
+  flags.DEFINE_string("model_name", None, "Name in /healthz; default: the --model "
+                      "directory's name.", **define)
+  flags.DEFINE_string("model_version", None, "Version in /healthz; default: the first 12 "
+                      "hex digits of the artifact's fingerprint.", **define)
+  flags.DEFINE_float("shutdown_timeout_s", 30.0, "On SIGTERM, how long requests in flight "
+                     "may take to finish.", lower_bound=0.0, **define)
+  flags.DEFINE_string("request_log", None, "Append one JSON line per answered prediction "
+                      "(latency, queue wait, model calls, output lengths).", **define)
 
 
-class BadRequest(Exception):
-  """Answered 400 (or `status`) with the message as the JSON error."""
-
-  def __init__(self, message: str, status: int = 400):
-    super().__init__(message)
-    self.status = status
-
-
-def parse_inputs(body: bytes, max_inputs: int) -> list[Any]:
-  """The "inputs" list of a request body, or BadRequest saying what is wrong."""
-  if not body:
-    raise BadRequest('empty body; send {"inputs": ["line", ...]}')
+def _request_logger(path: str | None) -> Any:
+  if path is None:
+    return None, None
   try:
-    request = json.loads(body)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise BadRequest(f"body is not JSON: {e}") from None
-  if not isinstance(request, dict) or "inputs" not in request:
-    raise BadRequest('expected a JSON object {"inputs": ["line", ...]}')
-  inputs = request["inputs"]
-  if not isinstance(inputs, list):
-    raise BadRequest(f'"inputs" must be a list of strings, got {type(inputs).__name__}')
-  if len(inputs) > max_inputs:
-    raise BadRequest(f'{len(inputs)} inputs; at most {max_inputs} per request')
-  return inputs
-
-
-def make_handler(served: Served, batcher: Batcher, max_inputs: int,
-                 max_body_bytes: int) -> type[http.server.BaseHTTPRequestHandler]:
-  """The request handler class for one loaded model."""
-
-  class Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"       # keep-alive: clients reuse connections
-
-    def _answer(self, status: int, payload: dict[str, Any]) -> None:
-      body = json.dumps(payload).encode()
-      self.send_response(status)
-      self.send_header("Content-Type", "application/json")
-      self.send_header("Content-Length", str(len(body)))
-      self.end_headers()
-      self.wfile.write(body)
-
-    def do_GET(self) -> None:  # noqa: N802  (http.server's naming)
-      if self.path == "/healthz":
-        self._answer(200, {"status": "ok", "task": served.manifest["task"],
-                           "fingerprint": served.fingerprint})
-      else:
-        self._answer(404, {"error": f"no such path {self.path}; use POST /v1/predict or "
-                                    "GET /healthz"})
-
-    def do_POST(self) -> None:  # noqa: N802
-      if self.path != "/v1/predict":
-        self._answer(404, {"error": f"no such path {self.path}; use POST /v1/predict"})
-        return
-      try:
-        length = int(self.headers.get("Content-Length") or 0)
-      except ValueError:
-        length = -1
-      try:
-        if length < 0 or length > max_body_bytes:
-          self.close_connection = True    # the unread body is not drained
-          raise BadRequest(f"Content-Length {self.headers.get('Content-Length')!r}: give the "
-                           f"body's size, at most {max_body_bytes} bytes",
-                           413 if length > 0 else 400)
-        inputs = parse_inputs(self.rfile.read(length) if length > 0 else b"", max_inputs)
-        encoded = served.encode(inputs)
-      except BadRequest as e:
-        self._answer(e.status, {"error": str(e)})
-        return
-      except InputError as e:
-        self._answer(400, {"error": str(e)})
-        return
-      try:
-        outputs = batcher.predict(encoded) if encoded else []
-      except RuntimeError as e:
-        self._answer(500, {"error": f"the model failed: {e}"})
-        return
-      self._answer(200, {"outputs": outputs})
-
-    def log_message(self, format: str, *args: Any) -> None:
-      pass   # No line per request on stderr; errors are in the answers.
-
-  return Handler
-
-
-def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m transformer_jax.serve",
-                                   description=__doc__.split("\n\n")[0])
-  parser.add_argument("--model", required=True, help="artifact directory (export "
-                      "--format=stablehlo)")
-  parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-  parser.add_argument("--port", type=int, default=8080)
-  parser.add_argument("--max_batch", type=int, default=32, help="lines per model call")
-  parser.add_argument("--max_wait_ms", type=float, default=5.0, help="how long the first "
-                      "request of a batch waits for others")
-  parser.add_argument("--max_inputs", type=int, default=64, help="lines per request")
-  parser.add_argument("--max_body_bytes", type=int, default=1 << 20)
-  args = parser.parse_args(argv)
-  for name in ("max_batch", "max_inputs", "max_body_bytes"):
-    if getattr(args, name) < 1:
-      parser.error(f"--{name} must be >= 1")          # exit status 2
-  if args.max_wait_ms < 0:
-    parser.error("--max_wait_ms must be >= 0")
-  try:
-    served = Served.load(args.model, max_rows=args.max_batch)
-  except (ArtifactError, FileNotFoundError, ValueError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-  batcher = Batcher(served, args.max_batch, args.max_wait_ms / 1000)
-  try:
-    server = http.server.ThreadingHTTPServer(
-        (args.host, args.port),
-        make_handler(served, batcher, args.max_inputs, args.max_body_bytes))
+    stream = open(path, "a")
   except OSError as e:
-    print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-    sys.exit(2)
-  server.daemon_threads = True
-  print(f"serving {served.manifest['task']} model {args.model} on "
-        f"http://{args.host}:{args.port} (POST /v1/predict, GET /healthz)", flush=True)
+    raise UserError(f"--request_log={path}: {e}") from e
+  lock = threading.Lock()
+
+  def log(record: dict) -> None:
+    with lock:
+      stream.write(json.dumps(record) + "\n")
+      stream.flush()
+  return log, stream
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  try:
+    served = Served.load(FLAGS.model, max_rows=FLAGS.max_batch)
+  except (ArtifactError, FileNotFoundError) as e:
+    raise UserError(f"--model={FLAGS.model}: {e}") from e
+  identity = {"name": FLAGS.model_name or os.path.basename(os.path.abspath(FLAGS.model)),
+              "version": FLAGS.model_version or served.fingerprint[:12]}
+  log, log_stream = _request_logger(FLAGS.request_log)
+  batcher = Batcher(served, FLAGS.max_batch, FLAGS.max_wait_ms / 1000)
+  in_flight = InFlight()
+  handler = make_handler(served, batcher, Limits(FLAGS.max_inputs, FLAGS.max_body_bytes),
+                         identity, in_flight, log)
+  try:
+    server = Server((FLAGS.host, FLAGS.port), handler, FLAGS.listen_backlog)
+  except OSError as e:
+    raise UserError(f"cannot listen on {FLAGS.host}:{FLAGS.port}: {e}; choose another "
+                    "--port or --host") from e
+
+  def stop(signum: int, frame: Any) -> None:
+    # serve_forever runs in this (the main) thread: shutdown() must come from another.
+    in_flight.draining = True
+    threading.Thread(target=server.shutdown, daemon=True).start()
+  signal.signal(signal.SIGTERM, stop)
+  signal.signal(signal.SIGINT, stop)
+  print(f"serving {served.manifest['task']} model {identity['name']} version "
+        f"{identity['version']} on http://{FLAGS.host}:{FLAGS.port} (POST /v1/predict, "
+        "GET /healthz, GET /metrics)", flush=True)
   try:
     server.serve_forever()
-  except KeyboardInterrupt:
-    pass
   finally:
-    server.server_close()
+    server.server_close()            # no new connections from here on
+    finished = in_flight.wait(FLAGS.shutdown_timeout_s)
+    if log_stream is not None:
+      log_stream.close()
+  print("stopped" + ("" if finished else f": requests still in flight after "
+                     f"{FLAGS.shutdown_timeout_s} s were cut off"), flush=True)
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  errors.run(main)

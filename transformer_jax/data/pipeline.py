@@ -25,7 +25,7 @@ import grain
 import numpy as np
 
 # In inputs.py, shared with the flax-free serving loader, which buckets lines the same way.
-from transformer_jax.inputs import bucket_lengths
+from transformer_jax.inputs import bucket_for, bucket_lengths
 from transformer_jax.errors import UserError
 
 TOO_LONG_POLICIES = ("drop", "truncate")
@@ -214,8 +214,7 @@ def eval_batches(records: Sequence[dict], task: Featurizing, *, batch_size: int,
     if length > max_length:
       counts.too_long += 1
       example = task.truncate(example, max_length)
-    grouped[next(b for b in buckets if b >= length or b == max_length)].append(
-        (record, example))
+    grouped[bucket_for(length, buckets)].append((record, example))
   batches = []
   for length, members in grouped.items():
     for start in range(0, len(members), batch_size):

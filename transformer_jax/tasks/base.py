@@ -209,7 +209,7 @@ class Task(abc.ABC):
     ...
 
   # --------------------------------------------------------------------- serving
-  # How the flax-free loader (transformer_jax/serving.py) turns the exported function's
+  # How the flax-free loader (transformer_jax/serving/lines.py) turns the exported function's
   # output into text: "token_ids" (B, T) detokenized, "class_scores" (B, C) -> a label name,
   # "tag_scores" (B, S, L) log-probabilities -> a tag per token (BIO Viterbi on the host).
   serving_output: ClassVar[str]

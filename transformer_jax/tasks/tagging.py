@@ -155,13 +155,9 @@ class TaggingTask(EncoderTask):
                    decode: DecodeOptions) -> list[list[str]]:
     """Tag names for each row's tokens (one sequence per row)."""
     lengths = (batch["tokens"] != PAD_ID).sum(1)
-    if self.head["crf"] or decode.bio_constrained:   # a CRF always decodes with BIO
-      per_word = np.asarray(self._decode_scores(params, batch))
-      learned = tuple(np.asarray(s) for s in crf_scores(params)) if self.head["crf"] else None
-      best = [bio.viterbi(row[:n], *self._transitions, scores=learned)
-              for row, n in zip(per_word, lengths)]
-    else:
-      best = np.asarray(self._argmax(params, batch))
+    learned = tuple(np.asarray(s) for s in crf_scores(params)) if self.head["crf"] else None
+    best = bio.best_tags(np.asarray(self._decode_scores(params, batch)), lengths,
+                         self._transitions, crf=learned, constrained=decode.bio_constrained)
     return [[self.labels[i] for i in row[:n]] for row, n in zip(best, lengths)]
 
   def predict(self, params: Any, batch: Mapping[str, np.ndarray],

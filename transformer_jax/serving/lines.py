@@ -1,0 +1,169 @@
+"""Text lines through a served model, whatever format holds the model: `Served` encodes
+lines, groups them in predict's length buckets, pads each group to its bucket length and
+its rows to a power of two, calls the loaded model's function, and turns the rows of its
+output into text (a translation, a label, or space-separated tags).
+
+A loader (serving/stablehlo.py) gives `Served` the artifact's checked manifest and the
+model's function `(tokens (B, S) int32[, chars (B, S, word_bytes) int32]) -> output`, the
+array the task's `serving_function` returns; everything here is the same for any format.
+
+Rows are padded by repeating the last line, which ends a search no later than it, so a
+server compiles few shapes and the padding changes no real row's output.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from transformer_jax import bio
+from transformer_jax.config import PAD_ID
+from transformer_jax.data.tokenizer import TARGET_VOCAB_FILE, VOCAB_FILE, load_tokenizer
+from transformer_jax.data.vocab import strip_special
+from transformer_jax.inputs import InputError, bucket_for, bucket_lengths, character_ids
+from transformer_jax.serving.artifact import ArtifactError
+
+DEFAULT_MAX_ROWS = 64
+
+# The loaded model: token ids (B, S) and, for a model with character features, the words'
+# bytes (B, S, word_bytes) -> the task's serving output for those rows.
+ModelFunction = Callable[[np.ndarray, "np.ndarray | None"], np.ndarray]
+
+
+class EncodedLine(NamedTuple):
+  """A line as the model takes it: its token ids and, for a model with character
+  features, its words' bytes (len(ids), word_bytes)."""
+  ids: list[int]
+  chars: np.ndarray | None = None
+
+
+# ------------------------------------------------------------------- outputs to text
+def _token_ids(served: "Served", out: np.ndarray, lengths: Sequence[int]) -> list[str]:
+  return [served.target_tokenizer.decode(strip_special(row)) for row in out]
+
+
+def _class_scores(served: "Served", out: np.ndarray, lengths: Sequence[int]) -> list[str]:
+  return [served.labels[i] for i in out.argmax(-1)]
+
+
+def _tag_scores(served: "Served", out: np.ndarray, lengths: Sequence[int]) -> list[str]:
+  crf = served.constants.get("crf")   # emission scores + the CRF's transitions
+  learned = tuple(np.asarray(crf[k]) for k in ("start", "transitions", "end")) if crf else None
+  best = bio.best_tags(out, lengths, served.transitions, crf=learned,
+                       constrained=served.decode.get("bio_constrained", True))
+  return [" ".join(served.labels[i] for i in row) for row in best]
+
+
+# Output kind (Task.serving_output) -> rows of the model's output to text lines.
+OUTPUTS: dict[str, Callable[["Served", np.ndarray, Sequence[int]], list[str]]] = {
+    "token_ids": _token_ids, "class_scores": _class_scores, "tag_scores": _tag_scores}
+
+
+class Served:
+  """A loaded artifact: `predict(lines)` gives one output line per input line.
+  `Served.load(directory)` picks the loader of the artifact's format."""
+
+  def __init__(self, directory: str, manifest: dict[str, Any], function: ModelFunction,
+               max_rows: int = DEFAULT_MAX_ROWS):
+    if manifest.get("output") not in OUTPUTS:
+      raise ArtifactError(f"{directory}: unknown output kind {manifest.get('output')!r}; "
+                          f"known: {sorted(OUTPUTS)}")
+    self.directory, self.manifest, self.max_rows = directory, manifest, max_rows
+    self._function = function
+    self.max_len = int(manifest["max_len"])
+    self.decode = manifest["decode"]
+    self.buckets = bucket_lengths(self.max_len)
+    self.labels = manifest.get("labels")
+    self.word_bytes = manifest.get("word_bytes")
+    self.constants = manifest.get("constants", {})
+    self.tokenizer = load_tokenizer(os.path.join(directory, VOCAB_FILE))
+    target = os.path.join(directory, TARGET_VOCAB_FILE)
+    self.target_tokenizer = load_tokenizer(target) if os.path.exists(target) else self.tokenizer
+    self.transitions = bio.allowed_transitions(self.labels) if self.labels else None
+    self._outputs = OUTPUTS[manifest["output"]]
+
+  @classmethod
+  def load(cls, directory: str, max_rows: int = DEFAULT_MAX_ROWS) -> "Served":
+    """Reads and checks an artifact of any known format (serving.LOADERS)."""
+    from transformer_jax.serving import load   # the loaders import this module
+    return load(directory, max_rows)
+
+  @property
+  def fingerprint(self) -> str:
+    return self.manifest["fingerprint"]
+
+  def encode(self, lines: Sequence[Any]) -> list[EncodedLine]:
+    """Token ids (and word bytes) per line; InputError for a line that is not a string,
+    that the tokenizer rejects, or that is longer than max_len tokens."""
+    encoded = []
+    for index, line in enumerate(lines):
+      if not isinstance(line, str):
+        raise InputError(f"input {index}: expected a string, got {type(line).__name__}")
+      try:
+        ids = self.tokenizer.encode(line)
+      except ValueError as e:    # e.g. a symbol outside a symbol vocabulary
+        raise InputError(f"input {index}: {e}") from None
+      if len(ids) > self.max_len:
+        raise InputError(f"input {index}: {len(ids)} tokens exceed the model's "
+                         f"max_len={self.max_len}; shorten or split it")
+      # Word-level tokenizers split on whitespace, as the tasks' featurizers do.
+      chars = character_ids(line.split(), self.word_bytes) if self.word_bytes else None
+      encoded.append(EncodedLine(ids, chars))
+    return encoded
+
+  def run(self, tokens: np.ndarray, chars: np.ndarray | None = None) -> np.ndarray:
+    """The model's function on a (batch, length) int32 array of checked ids (and, for a
+    model with character features, the words' bytes (batch, length, word_bytes))."""
+    return self._function(tokens, chars)
+
+  def predict(self, lines: Sequence[Any]) -> list[str]:
+    """One output per line (a translation, a label, or space-separated tags)."""
+    return self.predict_ids(self.encode(lines))
+
+  def bucket(self, line: EncodedLine) -> int:
+    """The padded length of `line`'s model call: predict's bucket (data.pipeline)."""
+    return bucket_for(max(len(line.ids), 1), self.buckets)
+
+  def predict_ids(self, encoded: Sequence[EncodedLine]) -> list[str]:
+    """`predict` for lines already through `encode`."""
+    groups: dict[int, list[int]] = {}
+    for index, line in enumerate(encoded):
+      groups.setdefault(self.bucket(line), []).append(index)
+    outputs = [""] * len(encoded)
+    for length, members in sorted(groups.items()):
+      for start in range(0, len(members), self.max_rows):
+        chunk = members[start:start + self.max_rows]
+        texts, _ = self.predict_bucket([encoded[i] for i in chunk], length)
+        for index, text in zip(chunk, texts):
+          outputs[index] = text
+    return outputs
+
+  def predict_bucket(self, lines: Sequence[EncodedLine],
+                     length: int) -> tuple[list[str], list[int]]:
+    """One model call on at most max_rows lines padded to `length` (their bucket): the
+    outputs, and each line's output length in tokens (a translation's up to EOS; for
+    other tasks the line's own)."""
+    out = self.run(*self._pad(lines, length))[:len(lines)]
+    lengths = [len(line.ids) for line in lines]
+    texts = self._outputs(self, out, lengths)
+    if self.manifest["output"] == "token_ids":
+      lengths = [len(strip_special(row)) for row in out]
+    return texts, lengths
+
+  def _pad(self, lines: Sequence[EncodedLine],
+           length: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """The model's inputs for `lines`: padded to `length` tokens, and to a power of two
+    rows (at most max_rows) by repeating the last line."""
+    rows = min(1 << (len(lines) - 1).bit_length(), self.max_rows)
+    tokens = np.full((rows, length), PAD_ID, np.int32)
+    chars = np.zeros((rows, length, self.word_bytes), np.int32) if self.word_bytes else None
+    for row, line in enumerate(lines):
+      tokens[row, :len(line.ids)] = line.ids
+      if chars is not None:
+        chars[row, :len(line.ids)] = line.chars
+    tokens[len(lines):] = tokens[len(lines) - 1]     # filler rows repeat the last line
+    if chars is not None:
+      chars[len(lines):] = chars[len(lines) - 1]
+    return tokens, chars
