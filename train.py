@@ -10,7 +10,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from transformer_jax import errors
-from transformer_jax.run_config import renamed_overrides
+from transformer_jax.options import renamed_overrides
 from transformer_jax.training.loop import evaluate_saved, train_and_evaluate
 
 # The default config is found next to this file, so `python path/to/train.py` works from any

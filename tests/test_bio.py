@@ -12,7 +12,7 @@ import pytest
 from conftest import tiny_config
 from transformer_jax.bio import allowed_transitions, viterbi
 from transformer_jax.metrics import entity_spans
-from transformer_jax.run_config import DecodeOptions
+from transformer_jax.options import DecodeOptions
 from transformer_jax.tasks import TaggingTask
 
 LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]

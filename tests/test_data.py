@@ -4,6 +4,8 @@ All data files are small ones the tests write themselves."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import gzip
 import json
 import os
@@ -17,6 +19,7 @@ import pytest
 
 from configs.default import text_data
 from conftest import featurizing_task
+from transformer_jax.options import DataOptions
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer_jax.data import pipeline, readers
 from transformer_jax.data.corpus import local_corpus
@@ -210,14 +213,15 @@ def _multi30k_like(folder, pairs) -> None:
 def test_tokenizer_is_trained_once_and_reused_from_the_workdir(tmp_path):
   """A second run on the same workdir loads the saved tokenizer, even if the data changed
   (a resumed run and predict must see the ids the model was trained with)."""
-  config = text_data(dir=str(tmp_path / "a"), source_language="de", target_language="en",
-                     eval_split="val", vocab_size=80)
+  config = DataOptions.from_dict(text_data(
+      dir=str(tmp_path / "a"), source_language="de", target_language="en", eval_split="val",
+      vocab_size=80))
   _multi30k_like(tmp_path / "a", [(t.upper(), t) for t in TEXTS])
   _multi30k_like(tmp_path / "b", [("xyz " * 5, "qqq " * 3)] * 50)
   workdir = str(tmp_path / "work")
   first = TextData(TranslationTask, local_corpus(TranslationTask, config), config, 0, workdir)
   assert "trained" in first.summary and os.path.exists(os.path.join(workdir, "vocab.json"))
-  config.dir = str(tmp_path / "b")
+  config = dataclasses.replace(config, dir=str(tmp_path / "b"))
   second = TextData(TranslationTask, local_corpus(TranslationTask, config), config, 0, workdir)
   assert "loaded" in second.summary
   assert second.tokenizer.model_proto == first.tokenizer.model_proto
@@ -325,8 +329,9 @@ def test_eval_buckets_keep_every_example_in_few_static_shapes():
 
 
 def test_separate_source_and_target_vocabularies(tmp_path):
-  config = text_data(dir=str(tmp_path / "a"), source_language="de", target_language="en",
-                     eval_split="val", vocab_size=80, shared_vocab=False)
+  config = DataOptions.from_dict(text_data(
+      dir=str(tmp_path / "a"), source_language="de", target_language="en", eval_split="val",
+      vocab_size=80, shared_vocab=False))
   _multi30k_like(tmp_path / "a", [(t.upper(), t) for t in TEXTS])
   workdir = str(tmp_path / "work")
   data = TextData(TranslationTask, local_corpus(TranslationTask, config), config, 0, workdir)

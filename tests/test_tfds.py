@@ -9,21 +9,21 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import ml_collections
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
 from configs import conll2003, imdb, wmt14_ende_base
 from configs.default import text_data
+from transformer_jax.options import DataOptions
 from transformer_jax.data.readers import DataFormatError
 from transformer_jax.data.tfds_source import DatasetNotPreparedError, tfds_corpus
 from transformer_jax import tasks
 from transformer_jax.training import loop
 
 
-def _data(**fields) -> ml_collections.ConfigDict:
-  return text_data(source="tfds", **fields)
+def _data(**fields) -> DataOptions:
+  return DataOptions.from_dict(text_data(source="tfds", **fields))
 
 
 def test_records_of_each_kind_from_mock_data():

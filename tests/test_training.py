@@ -36,6 +36,7 @@ from transformer_jax.predict import Predictor
 from transformer_jax.training import experiment, loop
 from transformer_jax.tasks.losses import (cross_entropy_sums, smoothed_targets,
                                              smoothing_entropy)
+from transformer_jax.options import OptimizerOptions, RunOptions
 from transformer_jax.training.optimizers import (make_optimizer, make_schedule,
                                                  paper_schedule)
 from transformer_jax.training.state import create_train_state
@@ -135,10 +136,10 @@ def test_padding_does_not_contribute(smoothing):
 
 
 # ------------------------------------------------------------------------------ schedules
-def _opt_cfg(**overrides) -> ml_collections.ConfigDict:
+def _opt_cfg(**overrides) -> OptimizerOptions:
   cfg = get_config().optimizer
   cfg.update(overrides)
-  return cfg
+  return OptimizerOptions.from_dict(cfg.to_dict())
 
 
 def test_paper_schedule_formula():
@@ -526,9 +527,9 @@ def test_validate_rejects_bad_loop_settings(tmp_path):
   with pytest.raises(ValueError, match="config.num_train_steps"):
     loop.train_and_evaluate(tiny_run_config(num_train_steps=0), str(tmp_path))
   with pytest.raises(ValueError, match="grad_accum_steps"):
-    experiment.validate(tiny_run_config(batch_size=10, grad_accum_steps=3), TranslationTask)
+    RunOptions.from_config(tiny_run_config(batch_size=10, grad_accum_steps=3))
   with pytest.raises(ValueError, match="config.nonfinite"):
-    experiment.validate(tiny_run_config(nonfinite="ignore"), TranslationTask)
+    RunOptions.from_config(tiny_run_config(nonfinite="ignore"))
 
 
 # -------------------------------------------------------------------------- metrics

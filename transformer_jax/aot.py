@@ -157,7 +157,7 @@ def _batch(experiment: Experiment, rows: int, src_len: int,
   data's own (unpacked: no positions or segment ids)."""
   spec = sharding.batch_sharding(experiment.mesh)
   keys = experiment.task.batch_spec(rows, max(src_len, tgt_len))
-  if experiment.config.data.source == "synthetic":
+  if experiment.options.data.synthetic:
     keys = {k: v for k, v in keys.items() if k in SyntheticData.BATCH_KEYS}
   width = lambda k: src_len if k.startswith("src") else tgt_len
   return {k: jax.ShapeDtypeStruct((rows, width(k)), v.dtype, sharding=spec)

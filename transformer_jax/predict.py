@@ -22,10 +22,10 @@ from absl import flags, logging
 import flax.linen as nn
 import jax
 
-from transformer_jax import checkpoint, errors, run_config, tasks
+from transformer_jax import checkpoint, errors, tasks
 from transformer_jax.data import pipeline
 from transformer_jax.inputs import InputError
-from transformer_jax.run_config import DecodeOptions
+from transformer_jax.options import DecodeOptions, TrainOptions, upgrade
 from transformer_jax.errors import MissingFileError, UserError
 from transformer_jax.files import atomic_output
 
@@ -47,16 +47,17 @@ class Predictor:
         raise MissingFileError(f"workdir {workdir!r} has no checkpoint or export; was "
                                "training interrupted before the first checkpoint?")
     self.path, (model, self.params), _ = checkpoint.first_good(candidates, self._load)
-    self.step, self.run_config = model.step, run_config.upgrade(model.config)
+    self.step, self.saved_config = model.step, upgrade(model.config)
     self.task = self._task(model)
-    self.decode = DecodeOptions.from_dict(self.run_config.get("decode"))
+    self.decode = DecodeOptions.from_dict(self.saved_config.get("decode"))
 
   @staticmethod
   def _task(model: checkpoint.Model) -> tasks.Task:
-    saved = run_config.upgrade(model.config)
-    if tasks.task_class(saved.get("task", "seq2seq")).needs_labels and not model.assets.labels:
+    saved = upgrade(model.config)
+    task_name = TrainOptions.from_dict(saved).task
+    if tasks.task_class(task_name).needs_labels and not model.assets.labels:
       raise checkpoint.IncompatibleCheckpointError(
-          f"{model.path} holds a {saved.get('task')} model but no label names")
+          f"{model.path} holds a {task_name} model but no label names")
     return tasks.from_run_config(saved, tokenizer=model.assets.tokenizer,
                                  target_tokenizer=model.assets.target_tokenizer,
                                  labels=model.assets.labels)

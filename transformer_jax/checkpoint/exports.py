@@ -23,6 +23,7 @@ from transformer_jax.checkpoint.manifest import (DamagedCheckpointError,
                                                  describe, describe_leaf, differing, read,
                                                  signature, verify, without_fingerprints)
 from transformer_jax.data.tokenizer import TextAssets, load_tokenizer_item
+from transformer_jax.options import TrainOptions, upgrade
 
 CHECKPOINT_DIR, EXPORT_DIR = "checkpoints", "exports"
 T = TypeVar("T")
@@ -180,12 +181,13 @@ def best_step(directory: str) -> int | None:
   steps = checkpoint_steps(directory)
   if not steps:
     return None
-  config = read(absolute(directory) / str(steps[-1]), config=ocp.args.JsonRestore())["config"]
-  metric = config.get("best_checkpoint_metric")
+  saved = read(absolute(directory) / str(steps[-1]), config=ocp.args.JsonRestore())["config"]
+  train = TrainOptions.from_dict(upgrade(saved))
+  metric = train.best_checkpoint_metric
   if not metric:
     return None
   with _reading_manager(directory, lambda m: float(m[metric]),
-                        config.get("best_checkpoint_mode", "max")) as manager:
+                        train.best_checkpoint_mode) as manager:
     return manager.best_step()
 
 

@@ -7,6 +7,7 @@ import os
 from typing import Any, Callable, Protocol, Sequence
 
 from transformer_jax.errors import MissingFileError, UserError
+from transformer_jax.options import DataOptions
 
 
 class CorpusReading(Protocol):
@@ -14,7 +15,7 @@ class CorpusReading(Protocol):
   name: str
 
   @classmethod
-  def local_splits(cls, directory: str, splits: Sequence[str], data_config: Any) -> tuple[
+  def local_splits(cls, directory: str, splits: Sequence[str], data: DataOptions) -> tuple[
       dict[str, Callable[[], Sequence[dict]]], list[str] | None]: ...
 
 
@@ -49,20 +50,14 @@ class Corpus:
         raise UserError(f"no examples in the {name!r} split of {self.description}")
 
 
-def split_names(data_config: Any) -> list[str]:
-  """The configured splits, training first: train, eval and (if set) test."""
-  names = [data_config.train_split, data_config.eval_split, data_config.get("test_split", "")]
-  return list(dict.fromkeys(n for n in names if n))
-
-
-def local_corpus(task: CorpusReading, data_config: Any) -> Corpus:
+def local_corpus(task: CorpusReading, data: DataOptions) -> Corpus:
   """The task's files in data.dir, named after their split (see each task's local_splits)."""
-  directory = data_config.dir
+  directory = data.dir
   if not directory:
     raise UserError("data.dir is empty: set --config.data.dir=PATH to the data folder")
   if not os.path.isdir(directory):
     raise MissingFileError(f"data.dir={directory}: no such directory")
-  loaders, labels = task.local_splits(directory, split_names(data_config), data_config)
+  loaders, labels = task.local_splits(directory, data.split_names, data)
 
   def origin(split: str) -> dict[str, Any]:
     """The split's files (`{split}.*`) by name and size."""

@@ -27,8 +27,8 @@ import numpy as np
 # In inputs.py, shared with the flax-free serving loader, which buckets lines the same way.
 from transformer_jax.inputs import bucket_for, bucket_lengths
 from transformer_jax.errors import UserError
+from transformer_jax.options import TOO_LONG_POLICIES, check_choice
 
-TOO_LONG_POLICIES = ("drop", "truncate")
 
 Example = dict[str, np.ndarray]
 
@@ -87,11 +87,6 @@ class _LengthLimitIterator(grain.DatasetIterator):
     self._counts = Counts(**state["counts"])
 
 
-def check_too_long(policy: str) -> None:
-  if policy not in TOO_LONG_POLICIES:
-    raise UserError(f"data.too_long={policy!r}: must be one of {TOO_LONG_POLICIES}")
-
-
 class _LengthLimit(grain.IterDataset):
   """Drops empty examples and drops or truncates ones longer than `max_length`, and counts
   each. Every example it passes carries the counts so far (key "counts"), which reach the
@@ -100,7 +95,7 @@ class _LengthLimit(grain.IterDataset):
   def __init__(self, parent: grain.IterDataset, task: Featurizing, max_length: int,
                policy: str):
     super().__init__(parent)
-    check_too_long(policy)
+    check_choice("data.", "too_long", policy, TOO_LONG_POLICIES)
     self._args = (task, max_length, policy)
 
   def __iter__(self) -> grain.DatasetIterator:

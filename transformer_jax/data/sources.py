@@ -14,48 +14,43 @@ from typing import Any
 
 from transformer_jax.data.corpus import local_corpus
 from transformer_jax.data.synthetic import RECORD_KEYS, SyntheticData
-from transformer_jax.data.pipeline import check_too_long
-from transformer_jax.data.text_data import TextData, check_tokenizer_choice
+from transformer_jax.data.text_data import TextData
 from transformer_jax.data.tokenizer import VOCAB_FILE
 from transformer_jax.errors import UserError
-
-SOURCES = ("synthetic", "local", "tfds")
-
-
-def check_data_config(task: Any, data: Any) -> None:
-  """The `data` group's choices, checked before anything is read."""
-  if data.source not in SOURCES:
-    raise UserError(f"data.source={data.source!r}: must be one of {SOURCES}")
-  synthetic = data.source == "synthetic"
-  for field in ("max_length",) if synthetic else ("max_length", "eval_max_length"):
-    if not isinstance(data.get(field), int) or data.get(field) < 1:
-      raise UserError(f"data.{field}={data.get(field)!r}: must be a positive integer")
-  if synthetic:
-    if tuple(task.record_keys) != RECORD_KEYS:
-      raise UserError(f"data.source='synthetic' makes {RECORD_KEYS} pairs, which a "
-                      f"{task.name} task cannot read; use data.source=local or tfds")
-    SyntheticData.check(data.synthetic_task, data.min_length, data.max_length)
-    return
-  check_too_long(data.too_long)
-  check_tokenizer_choice(task, data.tokenizer)
+from transformer_jax.options import DataOptions
 
 
-def training_width(data: Any) -> int:
-  """The width of the training batches the `data` group gives, in tokens: the least
-  model.max_len that can take them (evaluation batches are checked once built)."""
-  if data.source == "synthetic":
-    return max(SyntheticData.widths(data.synthetic_task, data.max_length))
-  return data.max_length
+def check_data_for_task(task: Any, data: DataOptions) -> None:
+  """What the `data` group asks must suit the task class: synthetic pairs only for a task
+  that reads them, a tokenizer kind the task can use."""
+  if data.synthetic and tuple(task.record_keys) != RECORD_KEYS:
+    raise UserError(f"data.source='synthetic' makes {RECORD_KEYS} pairs, which a "
+                    f"{task.name} task cannot read; use data.source=local or tfds")
+  data.check_tokenizer_for(task.name, task.tokenizer_kinds)
 
 
-def make_source(task: Any, data: Any, seed: int, workdir: str | None = None,
+def training_widths(data: DataOptions) -> tuple[int, int]:
+  """The (source, target) widths in tokens of the training batches the `data` group gives
+  (packed rows: both data.max_length; synthetic tasks: their fixed widths)."""
+  if data.synthetic:
+    return SyntheticData.widths(data.synthetic_task, data.max_length)
+  return data.max_length, data.max_length
+
+
+def training_width(data: DataOptions) -> int:
+  """The least model.max_len that can take the training batches (evaluation batches are
+  checked once built)."""
+  return max(training_widths(data))
+
+
+def make_source(task: Any, data: DataOptions, seed: int, workdir: str | None = None,
                 tokenizers: tuple[Any, Any] | None = None) -> SyntheticData | TextData:
   """The data of the config's `data` group for a task class (transformer_jax.tasks). With
   a workdir, tokenizers are loaded from it (refused if made for other data or settings),
   or taken from `tokenizers` (source, target: a pretrained model's) or trained, and saved
   there."""
-  check_data_config(task, data)
-  if data.source == "synthetic":
+  check_data_for_task(task, data)
+  if data.synthetic:
     if tokenizers:
       raise UserError("init_from: synthetic data has its own fixed vocabulary; fine-tune "
                       "on text data (data.source=local or tfds)")

@@ -21,15 +21,15 @@ import jax
 import numpy as np
 
 from transformer_jax.data import pipeline
-from transformer_jax.data.corpus import Corpus, split_names
+from transformer_jax.data.corpus import Corpus
 from transformer_jax.data.tokenizer import (TARGET_VOCAB_FILE, VOCAB_FILE, SentencePieceTokenizer,
                                             WordVocab, load_tokenizer)
 from transformer_jax.errors import UserError
+from transformer_jax.options import DataOptions
 from transformer_jax.files import atomic_write_json
 
 LABELS_FILE = "labels.json"
 IDENTITY_FILE = "tokenizer_identity.json"   # what the workdir's tokenizer was trained from
-TOKENIZERS = ("sentencepiece", "words")
 
 
 def _training_sample(records: Sequence[dict], limit: int, seed: int) -> Iterator[dict]:
@@ -52,18 +52,10 @@ class TokenizerTraining(Protocol):
   def tokenizer_texts(cls, record: dict) -> tuple[str | list[str], str | None]: ...
 
 
-def check_tokenizer_choice(task: TokenizerTraining, name: str) -> None:
-  if name not in TOKENIZERS:
-    raise UserError(f"data.tokenizer={name!r}: must be one of {TOKENIZERS}")
-  if name not in task.tokenizer_kinds:
-    raise UserError(f"data.tokenizer={name!r} does not fit a {task.name} task: use "
-                    f"{' or '.join(repr(k) for k in task.tokenizer_kinds)}")
-
-
-def _train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: Any,
+def _train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: DataOptions,
                       seed: int) -> tuple[Any, Any]:
   name = config.tokenizer
-  check_tokenizer_choice(task, name)
+  config.check_tokenizer_for(task.name, task.tokenizer_kinds)
 
   def texts() -> Iterator[tuple[str | list[str], str | None]]:
     for record in _training_sample(corpus.split(config.train_split),
@@ -92,13 +84,13 @@ _TOKENIZER_SETTINGS = ("tokenizer", "vocab_size", "spm_model_type", "shared_voca
                        "min_word_count", "tokenizer_max_examples", "train_split")
 
 
-def tokenizer_identity(task: TokenizerTraining, corpus: Corpus, config: Any,
+def tokenizer_identity(task: TokenizerTraining, corpus: Corpus, config: DataOptions,
                        seed: int) -> dict[str, Any]:
   """What a tokenizer is trained from: the task, the training split's origin (file names and
   sizes, or the TFDS dataset) and the tokenizer settings (with the seed when sampling), and
   a hash of all that."""
-  settings = {k: config.get(k) for k in _TOKENIZER_SETTINGS}
-  if config.get("tokenizer_max_examples", 0) > 0:
+  settings = {k: getattr(config, k) for k in _TOKENIZER_SETTINGS}
+  if config.tokenizer_max_examples > 0:
     settings["seed"] = seed
   identity = {"task": task.name, "training_data": corpus.origin(config.train_split),
               "settings": settings}
@@ -124,7 +116,8 @@ def _check_identity(workdir: str, expected: dict[str, Any]) -> None:
                   f"{IDENTITY_FILE} and checkpoints/ from {workdir}")
 
 
-def load_or_train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: Any, seed: int,
+def load_or_train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: DataOptions,
+                             seed: int,
                              workdir: str | None,
                              given: tuple[Any, Any] | None = None,
                              check_identity: bool = False) -> tuple[Any, Any, str]:
@@ -171,7 +164,7 @@ def _save(source: Any, target: Any, paths: tuple[str, str], identity: dict[str, 
 class TextData:
   """A corpus made ready for training: tokenizers, training batches, eval buckets."""
 
-  def __init__(self, task: TokenizerTraining, corpus: Corpus, data_config: Any, seed: int,
+  def __init__(self, task: TokenizerTraining, corpus: Corpus, data_config: DataOptions, seed: int,
                workdir: str | None = None, tokenizers: tuple[Any, Any] | None = None,
                check_identity: bool = False):
     """tokenizers: a pretrained model's (init_from), used instead of training new ones.
@@ -179,7 +172,7 @@ class TextData:
     trainer's setup asks for it; a reader of a finished workdir need not)."""
     self.labels, self.description = corpus.labels, corpus.description
     self._corpus, self._config, self._seed = corpus, data_config, seed
-    corpus.check_splits(split_names(data_config))   # All data read before anything is saved.
+    corpus.check_splits(data_config.split_names)   # All data read before anything is saved.
     self.tokenizer, self.target_tokenizer, origin = load_or_train_tokenizers(
         task, corpus, data_config, seed, workdir, tokenizers, check_identity)
     if workdir and self.labels is not None:

@@ -13,8 +13,9 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from transformer_jax.data.corpus import Corpus, split_names
+from transformer_jax.data.corpus import Corpus
 from transformer_jax.errors import UserError
+from transformer_jax.options import DataOptions
 
 
 class TfdsReading(Protocol):
@@ -23,7 +24,7 @@ class TfdsReading(Protocol):
   needs_labels: bool
 
   @classmethod
-  def tfds_converter(cls, name: str, data_config: Any) -> Callable[[dict, int], dict]: ...
+  def tfds_converter(cls, name: str, data: DataOptions) -> Callable[[dict, int], dict]: ...
 
   @classmethod
   def tfds_labels(cls, features: Any, name: str) -> list[str] | None: ...
@@ -64,12 +65,12 @@ class _Records(Sequence):
     return self._convert(self._source[index], index)
 
 
-def _open(name: str, split: str, data_config: Any) -> Any:
+def _open(name: str, split: str, data: DataOptions) -> Any:
   tfds = _tfds()
-  data_dir = data_config.get("tfds_data_dir") or None
+  data_dir = data.tfds_data_dir or None
   try:
     return tfds.data_source(name, split=split, data_dir=data_dir,
-                            download=bool(data_config.get("download", False)))
+                            download=bool(data.download))
   except tfds.core.registered.DatasetNotFoundError:
     raise UserError(f"data.name={name!r}: TFDS has no such dataset") from None
   except Exception as e:  # tfds raises many types here; all mean "cannot read it".
@@ -84,25 +85,25 @@ def _open(name: str, split: str, data_config: Any) -> Any:
         f"--config.data.source=local --config.data.dir=PATH.") from e
 
 
-def _label_names(task: TfdsReading, name: str, data_config: Any) -> list[str] | None:
+def _label_names(task: TfdsReading, name: str, data: DataOptions) -> list[str] | None:
   """Class or tag names from the dataset's feature description."""
   if not task.needs_labels:
     return None
-  builder = _tfds().builder(name, data_dir=data_config.get("tfds_data_dir") or None)
+  builder = _tfds().builder(name, data_dir=data.tfds_data_dir or None)
   return task.tfds_labels(builder.info.features, name)
 
 
-def tfds_corpus(task: TfdsReading, data_config: Any) -> Corpus:
-  name = data_config.name
+def tfds_corpus(task: TfdsReading, data: DataOptions) -> Corpus:
+  name = data.name
   if not name:
     raise UserError("data.name is empty: give a TFDS dataset, e.g. wmt14_translate/de-en")
-  splits = split_names(data_config)
-  train = _open(name, data_config.train_split, data_config)  # Fails early if not prepared.
-  convert = task.tfds_converter(name, data_config)
+  splits = data.split_names
+  train = _open(name, data.train_split, data)  # Fails early if not prepared.
+  convert = task.tfds_converter(name, data)
 
   def loader(split: str) -> Callable[[], Sequence[dict]]:
-    source = train if split == data_config.train_split else None
-    return lambda: _Records(source or _open(name, split, data_config), convert)
-  return Corpus({s: loader(s) for s in splits}, _label_names(task, name, data_config),
+    source = train if split == data.train_split else None
+    return lambda: _Records(source or _open(name, split, data), convert)
+  return Corpus({s: loader(s) for s in splits}, _label_names(task, name, data),
                 f"TFDS {name}", origin=lambda split: {"tfds": name, "split": split,
                                                       "examples": len(train)})

@@ -12,6 +12,7 @@ from transformer_jax.tasks.classification import ClassificationTask
 from transformer_jax.tasks.tagging import TaggingTask
 from transformer_jax.tasks.translation import TranslationTask
 from transformer_jax.errors import UserError
+from transformer_jax.options import TrainOptions
 
 TASKS: dict[str, type[Task]] = {
     t.name: t for t in (TranslationTask, ClassificationTask, TaggingTask)}
@@ -36,7 +37,7 @@ def from_run_config(run_config: Mapping[str, Any], *, tokenizer: Any = None,
                     labels: Sequence[str] | None = None) -> Task:
   """The task a saved run config (config.json, or one inside a checkpoint) describes, with
   its model config, for evaluation and inference (no label smoothing)."""
-  cls = task_class(run_config.get("task", "seq2seq"))
+  cls = task_class(TrainOptions.from_dict(run_config).task)
   fields, head = split_model_fields(cls, run_config["model"])
   return cls(TransformerConfig.from_dict(fields), tokenizer=tokenizer,
              target_tokenizer=target_tokenizer, labels=labels, head=head)

@@ -32,7 +32,7 @@ import numpy as np
 from transformer_jax.config import PAD_ID, TransformerConfig
 from transformer_jax.data.pipeline import EvalBatch
 from transformer_jax.inputs import check_token_ids
-from transformer_jax.run_config import DecodeOptions
+from transformer_jax.options import DataOptions, DecodeOptions
 from transformer_jax.errors import UserError
 
 Batch = dict[str, jax.Array]
@@ -116,14 +116,14 @@ class Task(abc.ABC):
   @classmethod
   @abc.abstractmethod
   def local_splits(cls, directory: str, splits: Sequence[str],
-                   data_config: Any) -> tuple[dict[str, Callable[[], Sequence[dict]]],
+                   data: DataOptions) -> tuple[dict[str, Callable[[], Sequence[dict]]],
                                               list[str] | None]:
     """Loaders of the records of each split from files in `directory`, and the label
     names (None if the task has none)."""
 
   @classmethod
   @abc.abstractmethod
-  def tfds_converter(cls, name: str, data_config: Any) -> Callable[[dict, int], dict]:
+  def tfds_converter(cls, name: str, data: DataOptions) -> Callable[[dict, int], dict]:
     """(TFDS example, index) -> record."""
 
   @classmethod

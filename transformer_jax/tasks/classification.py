@@ -17,7 +17,7 @@ import numpy as np
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data import readers
 from transformer_jax.modules.models import POOLINGS, EncoderClassifier
-from transformer_jax.run_config import DecodeOptions
+from transformer_jax.options import DataOptions, DecodeOptions
 from transformer_jax.tasks.base import (Batch, EvalBatch, EvalStep, Example, Samples, ids,
                                         loss_metrics, teacher_forced_sums)
 from transformer_jax.tasks.encoder import EncoderTask
@@ -45,11 +45,11 @@ class ClassificationTask(EncoderTask):
 
   # ---------------------------------------------------------------------- data
   @classmethod
-  def local_splits(cls, directory: str, splits: Sequence[str], data_config: Any):
+  def local_splits(cls, directory: str, splits: Sequence[str], data: DataOptions):
     """`{split}.tsv`: `sentence<TAB>label` rows; the class names come from data.labels."""
-    labels = readers.parse_labels(data_config.labels)
+    labels = readers.parse_labels(data.labels)
     if len(labels) < 2:
-      raise UserError(f"data.labels={data_config.labels!r}: give the class names, "
+      raise UserError(f"data.labels={data.labels!r}: give the class names, "
                       "comma-separated, in label-index order (e.g. 'negative,positive')")
 
     def loader(split: str) -> Callable[[], Sequence[dict]]:
@@ -57,7 +57,7 @@ class ClassificationTask(EncoderTask):
     return {s: loader(s) for s in splits}, labels
 
   @classmethod
-  def tfds_converter(cls, name: str, data_config: Any) -> Callable[[dict, int], dict]:
+  def tfds_converter(cls, name: str, data: DataOptions) -> Callable[[dict, int], dict]:
     from transformer_jax.data.tfds_source import feature_text
     text, label = _tfds_features(name)
     return lambda ex, i: {"text": feature_text(ex[text]), "label": int(ex[label])}

@@ -21,7 +21,7 @@ import numpy as np
 from transformer_jax.config import PAD_ID, UNK_ID
 from transformer_jax.errors import UserError
 from transformer_jax.inputs import character_ids
-from transformer_jax.run_config import DecodeOptions
+from transformer_jax.options import DecodeOptions
 from transformer_jax.tasks.base import Batch, Example, Task, padded_getter
 
 

@@ -25,7 +25,7 @@ from transformer_jax.metrics import entity_f1
 from transformer_jax.errors import UserError
 from transformer_jax.modules import crf
 from transformer_jax.modules.models import TokenClassifier, crf_scores
-from transformer_jax.run_config import DecodeOptions
+from transformer_jax.options import DataOptions, DecodeOptions
 from transformer_jax.tasks.base import (Batch, EvalBatch, EvalStep, Example, Samples, ids,
                                         loss_metrics, teacher_forced_sums)
 from transformer_jax.tasks.encoder import EncoderTask
@@ -53,19 +53,19 @@ class TaggingTask(EncoderTask):
 
   # ---------------------------------------------------------------------- data
   @classmethod
-  def local_splits(cls, directory: str, splits: Sequence[str], data_config: Any):
+  def local_splits(cls, directory: str, splits: Sequence[str], data: DataOptions):
     """`{split}.txt` in CoNLL format; the tag set is data.labels, or the training file's."""
     paths = {s: readers.find_file(directory, f"{s}.txt") for s in splits}
     sentences = {s: readers.read_conll(paths[s]) for s in splits}
-    labels = readers.parse_labels(data_config.labels) or readers.tag_names_of(
-        sentences[data_config.train_split])
+    labels = readers.parse_labels(data.labels) or readers.tag_names_of(
+        sentences[data.train_split])
 
     def loader(split: str) -> Callable[[], Sequence[dict]]:
       return lambda: readers.tag_ids(sentences[split], labels, paths[split])
     return {s: loader(s) for s in splits}, labels
 
   @classmethod
-  def tfds_converter(cls, name: str, data_config: Any) -> Callable[[dict, int], dict]:
+  def tfds_converter(cls, name: str, data: DataOptions) -> Callable[[dict, int], dict]:
     from transformer_jax.data.tfds_source import feature_text
     words_key, tags_key = _TFDS_FEATURES
 

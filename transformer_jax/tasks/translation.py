@@ -18,7 +18,7 @@ from transformer_jax.config import BOS_ID, EOS_ID, TransformerConfig
 from transformer_jax.data import readers
 from transformer_jax.metrics import corpus_bleu, exact_match
 from transformer_jax.modules.models import Transformer
-from transformer_jax.run_config import DecodeOptions
+from transformer_jax.options import DataOptions, DecodeOptions
 from transformer_jax.tasks.base import (Batch, EvalBatch, EvalStep, Example, Samples, Task,
                                         ids, loss_metrics, padded_getter, teacher_forced_sums)
 from transformer_jax.tasks.losses import cross_entropy_sums
@@ -39,10 +39,10 @@ class TranslationTask(Task):
 
   # ---------------------------------------------------------------------- data
   @classmethod
-  def local_splits(cls, directory: str, splits: Sequence[str], data_config: Any):
+  def local_splits(cls, directory: str, splits: Sequence[str], data: DataOptions):
     """`{split}.{source_language}` and `{split}.{target_language}`, line i translating
     line i."""
-    src, tgt = data_config.source_language, data_config.target_language
+    src, tgt = data.source_language, data.target_language
 
     def loader(split: str) -> Callable[[], Sequence[dict]]:
       return lambda: readers.read_parallel(readers.find_file(directory, f"{split}.{src}"),
@@ -50,9 +50,9 @@ class TranslationTask(Task):
     return {s: loader(s) for s in splits}, None
 
   @classmethod
-  def tfds_converter(cls, name: str, data_config: Any) -> Callable[[dict, int], dict]:
+  def tfds_converter(cls, name: str, data: DataOptions) -> Callable[[dict, int], dict]:
     from transformer_jax.data.tfds_source import feature_text
-    src, tgt = data_config.source_language, data_config.target_language
+    src, tgt = data.source_language, data.target_language
     return lambda ex, i: {"source": feature_text(ex[src]), "target": feature_text(ex[tgt])}
 
   @classmethod

@@ -17,92 +17,60 @@ import os
 from typing import Any, Callable, Sequence
 
 import jax
-import ml_collections
 import optax
 from jax.sharding import Mesh
 
-from transformer_jax import checkpoint, run_config, sharding, tasks
+from transformer_jax import checkpoint, sharding, tasks
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.readers import parse_labels
-from transformer_jax.data.sources import check_data_config, make_source, training_width
+from transformer_jax.data.sources import check_data_for_task, make_source, training_width
 from transformer_jax.data.tokenizer import tokenizer_item
 from transformer_jax.data.vocab import SPECIALS
 from transformer_jax.errors import MissingFileError, UserError
-from transformer_jax.run_config import DecodeOptions, EvalOptions
+from transformer_jax.options import DecodeOptions, EvalOptions, RunOptions, TrainOptions, upgrade
 from transformer_jax.tasks import Task
-from transformer_jax.tasks.base import check_label_smoothing
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
 from transformer_jax.training.state import TrainState, new_train_state
-from transformer_jax.training.steps import NONFINITE_POLICIES, make_eval_step, make_train_step
+from transformer_jax.training.steps import make_eval_step, make_train_step
 
 # Model fields a fine-tuning run takes from its own config; every other one (the architecture)
 # comes from the pretrained model named by init_from.
 FINE_TUNING_FIELDS = ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate",
                       "dtype", "remat_policy", "attention_impl")
-_POSITIVE_FIELDS = ("num_train_steps", "log_every_steps", "eval_every_steps",
-                    "checkpoint_every_steps", "keep_checkpoints", "batch_size",
-                    "grad_accum_steps")
 
 
-def validate(config: ml_collections.ConfigDict, task: type[Task]) -> None:
-  """Top-level training fields, the data group's choices, and model.max_len against the
-  data; model fields are checked by TransformerConfig, the decode/eval groups by their
-  option classes (all in Experiment.create, before any data is read)."""
-  for field in _POSITIVE_FIELDS:
-    value = config[field]
-    if not isinstance(value, int) or value < 1:
-      raise UserError(f"config.{field}={value!r}: must be a positive integer")
-  if config.batch_size % config.grad_accum_steps:
-    raise UserError(f"config.batch_size={config.batch_size} must be divisible by "
-                    f"config.grad_accum_steps={config.grad_accum_steps}")
-  if config.nonfinite not in NONFINITE_POLICIES:
-    raise UserError(f"config.nonfinite={config.nonfinite!r}: must be one of "
-                    f"{NONFINITE_POLICIES}")
-  if config.batch_size % jax.process_count():
-    raise UserError(f"config.batch_size={config.batch_size} must be divisible by the "
+def validate(options: RunOptions, task: type[Task]) -> None:
+  """What each options group cannot check alone: the fields against the task, the processes
+  and the data (model fields are checked by TransformerConfig, in Experiment.create, before
+  any data is read)."""
+  train = options.train
+  if train.batch_size % jax.process_count():
+    raise UserError(f"config.batch_size={train.batch_size} must be divisible by the "
                     f"number of processes ({jax.process_count()})")
-  if not isinstance(config.keep_best_checkpoints, int) or config.keep_best_checkpoints < 0:
-    raise UserError(f"config.keep_best_checkpoints={config.keep_best_checkpoints!r}: must be "
-                    "an integer >= 0 (0: keep only the most recent)")
-  if config.best_checkpoint_mode not in ("max", "min"):
-    raise UserError(f"config.best_checkpoint_mode={config.best_checkpoint_mode!r}: must be "
-                    "'max' or 'min'")
-  if config.keep_best_checkpoints:   # the only use of the metric: a misspelt one fails here
+  if train.keep_best_checkpoints:   # the only use of the metric: a misspelt one fails here
     names = [f"eval/{m}" for m in task.metric_names]
-    if config.best_checkpoint_metric not in names:
-      raise UserError(f"config.best_checkpoint_metric={config.best_checkpoint_metric!r}: a "
+    if train.best_checkpoint_metric not in names:
+      raise UserError(f"config.best_checkpoint_metric={train.best_checkpoint_metric!r}: a "
                       f"{task.name} task reports {', '.join(names)}")
-  average = config.get("average_checkpoints", 0)
-  if not isinstance(average, int) or average < 0:
-    raise UserError(f"config.average_checkpoints={average!r}: must be an integer >= 0 "
-                    "(0 or 1: no averaging)")
-  if average > config.keep_checkpoints:
-    raise UserError(f"config.average_checkpoints={average} needs that many checkpoints kept: "
-                    f"raise config.keep_checkpoints={config.keep_checkpoints} to {average}")
-  saves = -(-config.num_train_steps // config.checkpoint_every_steps)  # the last step saves
-  if average > saves:
-    raise UserError(f"config.average_checkpoints={average}: only {saves} checkpoints are "
-                    f"saved in {config.num_train_steps} steps; lower "
-                    f"config.checkpoint_every_steps={config.checkpoint_every_steps}")
-  check_label_smoothing(config.label_smoothing)
-  task.check_head(tasks.split_model_fields(task, config.model)[1],
-                  config.data.get("tokenizer"))
-  check_data_config(task, config.data)
-  width = training_width(config.data)
-  if config.model.max_len < width:
-    raise UserError(f"model.max_len={config.model.max_len} is below the {width} tokens of the "
+  task.check_head(tasks.split_model_fields(task, options.model)[1],
+                  None if options.data.synthetic else options.data.tokenizer)
+  check_data_for_task(task, options.data)
+  width = training_width(options.data)
+  max_len = options.model.get("max_len")
+  if isinstance(max_len, int) and max_len < width:
+    raise UserError(f"model.max_len={max_len} is below the {width} tokens of the "
                     "training batches (data.max_length); raise model.max_len or lower "
                     "data.max_length")
 
 
-def model_config(config: ml_collections.ConfigDict, task: type[Task], vocab_size: int,
+def model_config(options: RunOptions, task: type[Task], vocab_size: int,
                  target_vocab_size: int | None = None,
                  pretrained: dict | None = None) -> tuple[TransformerConfig, dict]:
   """The config's model group with the data's vocabulary sizes (target_vocab_size: a
   separate target vocabulary), and the task's head options. With a `pretrained` model group
   (init_from), the architecture is the pretrained model's and only FINE_TUNING_FIELDS come
   from the config."""
-  model = config.model.to_dict()
+  model = dict(options.model)
   if pretrained is not None:   # its vocabulary sizes too: the data uses its tokenizers
     model = {**pretrained, **{k: model[k] for k in FINE_TUNING_FIELDS if k in model}}
     fields, head = tasks.split_model_fields(task, model)
@@ -121,20 +89,20 @@ def model_config(config: ml_collections.ConfigDict, task: type[Task], vocab_size
   return TransformerConfig.from_dict(fields), head
 
 
-def _pretrained(config: ml_collections.ConfigDict,
-                task: type[Task]) -> checkpoint.Model | None:
+def _pretrained(train: TrainOptions, task: type[Task]) -> checkpoint.Model | None:
   """The model init_from names (an export, e.g. an import from Hugging Face, or a
   checkpoint), checked to be a model of the run's task."""
-  path = config.get("init_from", "")
+  path = train.init_from
   if not path:
     return None
   if not os.path.isdir(path):
     raise MissingFileError(f"init_from={path!r}: no such directory (give an export or "
                             "checkpoint directory)")
   model = checkpoint.read_model(path)
-  saved = run_config.upgrade(model.config)
-  if saved.get("task", "seq2seq") != task.name:
-    raise UserError(f"init_from={path!r} holds a {saved.get('task', 'seq2seq')} model; "
+  saved = upgrade(model.config)
+  saved_task = TrainOptions.from_dict(saved).task
+  if saved_task != task.name:
+    raise UserError(f"init_from={path!r} holds a {saved_task} model; "
                      f"this run's task is {task.name}")
   return dataclasses.replace(model, config=saved)
 
@@ -151,32 +119,28 @@ def _check_same_text_assets(pretrained: checkpoint.Model, source: Any) -> None:
                      "labels differ from the pretrained model's; use a fresh --workdir")
 
 
-def _check_model_and_optimizer(config: ml_collections.ConfigDict, task: type[Task]) -> None:
+def _check_model_and_optimizer(options: RunOptions, task: type[Task]) -> None:
   """The model group and the optimizer, with stand-in vocabulary sizes (the real ones come
   from the data): their errors are the same, and come before the data is read."""
-  separate_target = (config.data.source != "synthetic" and task.has_target_text
-                     and not config.data.get("shared_vocab", True))
+  separate_target = (not options.data.synthetic and task.has_target_text
+                     and not options.data.shared_vocab)
   stand_in = 2 * len(SPECIALS)
-  model_cfg, _ = model_config(config, task, stand_in, stand_in if separate_target else None)
-  make_optimizer(config.optimizer, make_schedule(config.optimizer, model_cfg.d_model,
-                                                 config.num_train_steps))
+  model_config(options, task, stand_in, stand_in if separate_target else None)
 
 
 @dataclasses.dataclass
 class Experiment:
   """Everything a run derives from its config before the first step."""
-  config: ml_collections.ConfigDict
+  options: RunOptions
   task: Task
   data: Any | None            # data/sources.py; None when built without data
   mesh: Mesh
-  decode: DecodeOptions
-  eval: EvalOptions
   schedule: optax.Schedule
   optimizer: optax.GradientTransformation
   pretrained: checkpoint.Model | None = None   # what init_from names
 
   @classmethod
-  def create(cls, config: ml_collections.ConfigDict, workdir: str | None = None, *,
+  def create(cls, config: Any, workdir: str | None = None, *,
              data: bool = True, vocab_sizes: tuple[int, int | None] | None = None,
              labels: Sequence[str] | None = None, devices: Sequence[Any] | None = None,
              mesh: Mesh | None = None) -> "Experiment":
@@ -184,23 +148,24 @@ class Experiment:
     workdir) and the rest. With data=False nothing is read: the vocabulary sizes are
     `vocab_sizes` (source, separate target or None) and the label names `labels` or
     data.labels. `devices`: the mesh's devices (default: all of this process's backend);
-    `mesh`: a ready mesh instead of config.mesh over them (aot's layout sweep)."""
-    task_cls = tasks.task_class(config.get("task", "seq2seq"))
+    `mesh`: a ready mesh instead of config.mesh over them (aot's layout sweep). `config`:
+    the ml_collections config (or RunOptions already parsed from one)."""
+    options = config if isinstance(config, RunOptions) else RunOptions.from_config(config)
+    task_cls = tasks.task_class(options.train.task)
     # Every config field and the mesh first: reading data and training a tokenizer can take
     # minutes, and nothing may be written to the workdir for a config that cannot run.
-    validate(config, task_cls)
-    decode = DecodeOptions.from_dict(config.decode.to_dict())
-    eval_options = EvalOptions.from_dict(config.eval.to_dict())
+    validate(options, task_cls)
+    train = options.train
     if mesh is None:
-      mesh = sharding.make_mesh(config.mesh.to_dict(), list(devices) if devices else None)
-    sharding.check_batch_fits(config.batch_size // config.grad_accum_steps, mesh,
+      mesh = sharding.make_mesh(options.mesh.sizes(), list(devices) if devices else None)
+    sharding.check_batch_fits(train.batch_size // train.grad_accum_steps, mesh,
                               "batch_size/grad_accum_steps")
-    _check_model_and_optimizer(config, task_cls)
-    pretrained = _pretrained(config, task_cls)
+    _check_model_and_optimizer(options, task_cls)
+    pretrained = _pretrained(train, task_cls)
     source = None
     if data:
       given = pretrained and (pretrained.assets.tokenizer, pretrained.assets.target_tokenizer)
-      source = make_source(task_cls, config.data, config.seed, workdir, given)
+      source = make_source(task_cls, options.data, train.seed, workdir, given)
       if pretrained:
         _check_same_text_assets(pretrained, source)
       if jax.process_index() == 0:
@@ -212,15 +177,27 @@ class Experiment:
     elif vocab_sizes is None:
       raise UserError("without data, give the vocabulary sizes")
     elif labels is None and task_cls.needs_labels:
-      labels = parse_labels(config.data.get("labels", ""))
-    model_cfg, head = model_config(config, task_cls, *vocab_sizes,
+      labels = parse_labels(options.data.labels)
+    model_cfg, head = model_config(options, task_cls, *vocab_sizes,
                                    pretrained=pretrained and pretrained.config["model"])
     task = task_cls(model_cfg, tokenizer=source and source.tokenizer,
                     target_tokenizer=source and source.target_tokenizer, labels=labels,
-                    label_smoothing=config.label_smoothing, head=head)
-    schedule = make_schedule(config.optimizer, model_cfg.d_model, config.num_train_steps)
-    return cls(config, task, source, mesh, decode, eval_options, schedule,
-               make_optimizer(config.optimizer, schedule), pretrained)
+                    label_smoothing=train.label_smoothing, head=head)
+    schedule = make_schedule(options.optimizer, model_cfg.d_model, train.num_train_steps)
+    return cls(options, task, source, mesh, schedule,
+               make_optimizer(options.optimizer, schedule), pretrained)
+
+  @property
+  def train(self) -> TrainOptions:
+    return self.options.train
+
+  @property
+  def decode(self) -> DecodeOptions:
+    return self.options.decode
+
+  @property
+  def eval(self) -> EvalOptions:
+    return self.options.eval
 
   @property
   def model_config(self) -> TransformerConfig:
@@ -228,14 +205,14 @@ class Experiment:
 
   def resolved_config(self) -> dict[str, Any]:
     """The config as run: its model group with the vocabulary sizes and head options."""
-    resolved = self.config.to_dict()
+    resolved = dict(self.options.as_given)
     resolved["model"] = {**self.model_config.to_dict(), **self.task.head}
     return resolved
 
   # ------------------------------------------------------------------------ state
   def _new_state(self) -> TrainState:
-    return new_train_state(self.task.init_params(jax.random.PRNGKey(self.config.seed)),
-                           self.optimizer, self.config.seed)
+    return new_train_state(self.task.init_params(jax.random.PRNGKey(self.train.seed)),
+                           self.optimizer, self.train.seed)
 
   def init_state(self) -> tuple[TrainState, Any]:
     """The initial state, created under jit in its final shardings (no device ever holds
@@ -262,7 +239,7 @@ class Experiment:
   def train_step(self, state_sharding: Any) -> Callable:
     """The jitted train step, `(state, global batch) -> (state, metrics)`, state donated."""
     return make_train_step(self.task, self.optimizer, self.schedule,
-                           self.config.grad_accum_steps, state_sharding,
+                           self.train.grad_accum_steps, state_sharding,
                            sharding.batch_sharding(self.mesh))
 
   def eval_step(self, params_sharding: Any) -> Callable:

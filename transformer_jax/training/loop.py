@@ -10,7 +10,6 @@ import time
 from typing import Any, Sequence
 
 import jax
-import ml_collections
 import numpy as np
 from jax.experimental.multihost_utils import sync_global_devices
 from tqdm.auto import tqdm
@@ -19,6 +18,7 @@ from transformer_jax import checkpoint, sharding
 from transformer_jax.checkpoint import CHECKPOINT_DIR, TrainCheckpoints
 from transformer_jax.data.tokenizer import tokenizer_item
 from transformer_jax.metrics import MetricWriter
+from transformer_jax.options import RunOptions
 from transformer_jax.params import count_params
 from transformer_jax.preemption import PreemptionWatcher
 from transformer_jax.training.experiment import Experiment
@@ -66,10 +66,6 @@ class Evaluator:
     return {f"{self.prefix}/{k}": v for k, v in metrics.items()}, samples
 
 
-def _eval_split(config: ml_collections.ConfigDict) -> str:
-  return config.data.get("eval_split", "eval")
-
-
 # ------------------------------------------------------------------------ run files, saving
 def _write_run_files(workdir: str, resolved: dict[str, Any]) -> None:
   os.makedirs(workdir, exist_ok=True)
@@ -86,15 +82,15 @@ def _assets(experiment: Experiment) -> dict[str, Any]:
 def _make_checkpoints(experiment: Experiment, workdir: str) -> TrainCheckpoints:
   """Saves every checkpoint_every_steps and at the end; with keep_best_checkpoints, every
   evaluation is saved too, so that the best one is among the checkpoints."""
-  config = experiment.config
-  every = [config.checkpoint_every_steps]
-  if config.keep_best_checkpoints:
-    every.append(config.eval_every_steps)
+  train = experiment.train
+  every = [train.checkpoint_every_steps]
+  if train.keep_best_checkpoints:
+    every.append(train.eval_every_steps)
   return TrainCheckpoints(
       os.path.join(workdir, CHECKPOINT_DIR), experiment.resolved_config(), _assets(experiment),
-      save_interval_steps=every, final_step=config.num_train_steps,
-      keep=config.keep_checkpoints, keep_best=config.keep_best_checkpoints,
-      best_metric=config.best_checkpoint_metric, best_mode=config.best_checkpoint_mode)
+      save_interval_steps=every, final_step=train.num_train_steps,
+      keep=train.keep_checkpoints, keep_best=train.keep_best_checkpoints,
+      best_metric=train.best_checkpoint_metric, best_mode=train.best_checkpoint_mode)
 
 
 class _TrainLog:
@@ -160,25 +156,28 @@ def _progress(total: int, initial: int) -> Any:
 
 
 # ------------------------------------------------------------------------------ training
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   """Trains (resuming from W/checkpoints if present), evaluates, and returns the final eval
   metrics. Holds the workdir for the run (a second trainer there is refused) and checks
-  that checkpoints can be written there before anything else."""
-  if config.distributed.initialize:     # before anything touches the devices
-    sharding.initialize_distributed(config.distributed.coordinator_address,
-                                    config.distributed.num_processes,
-                                    config.distributed.process_id)
+  that checkpoints can be written there before anything else. `config`: the ml_collections
+  config (or the RunOptions parsed from one)."""
+  options = config if isinstance(config, RunOptions) else RunOptions.from_config(config)
+  distributed = options.distributed
+  if distributed.initialize:     # before anything touches the devices
+    sharding.initialize_distributed(distributed.coordinator_address,
+                                    distributed.num_processes, distributed.process_id)
   if jax.process_index() != 0:          # Process 0 holds the lock for every host.
-    return _train(config, workdir)
+    return _train(options, workdir)
   with WorkdirLock(workdir):
     checkpoint.check_writable(os.path.join(workdir, CHECKPOINT_DIR))
-    return _train(config, workdir)
+    return _train(options, workdir)
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-  experiment = Experiment.create(config, workdir)
+def _train(options: RunOptions, workdir: str) -> dict[str, float]:
+  experiment = Experiment.create(options, workdir)
+  train = experiment.train
   task, mesh = experiment.task, experiment.mesh
-  eval_batches = experiment.eval_batches(_eval_split(config), experiment.eval.examples)
+  eval_batches = experiment.eval_batches(options.data.eval_split, experiment.eval.examples)
   state, state_sharding = experiment.init_state()
   eval_step = experiment.eval_step(state_sharding.params)
   evaluate = Evaluator(experiment, eval_batches, eval_step)
@@ -189,7 +188,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 
   # Resume before writing anything: a config that cannot continue is refused untouched.
   checkpoints = _make_checkpoints(experiment, workdir)
-  batches = experiment.data.train_iterator(task, config.batch_size)  # this host's rows
+  batches = experiment.data.train_iterator(task, train.batch_size)  # this host's rows
   # Restored straight into this run's shardings, whatever mesh the checkpoint was saved on.
   restored = checkpoints.restore(checkpoint_arrays(sharding.abstract(state)))
   if restored is not None:
@@ -205,29 +204,29 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   train_step = experiment.train_step(state_sharding)
   # Lines after the resumed step describe training that is being redone: dropped.
   writer = MetricWriter(workdir, enabled=jax.process_index() == 0, resume_step=start_step)
-  log = _TrainLog(writer, config.nonfinite)
+  log = _TrainLog(writer, train.nonfinite)
   final_metrics: dict[str, float] = {}
   samples: Samples = []
-  progress = _progress(config.num_train_steps, start_step)
+  progress = _progress(train.num_train_steps, start_step)
   preemption = PreemptionWatcher()
   try:
     preemption.start()   # From here SIGTERM/SIGINT stop after the current step.
-    for step in range(start_step + 1, config.num_train_steps + 1):
+    for step in range(start_step + 1, train.num_train_steps + 1):
       local = next(batches)
       if step == start_step + 1:
         task.check_batch(local, "training data")
       state, metrics = train_step(state, sharding.to_global(local, mesh))
       log.add(step, metrics, task.count_tokens(local) * jax.process_count())
       progress.update(1)
-      is_last = step == config.num_train_steps
+      is_last = step == train.num_train_steps
       stop = preemption.should_stop(step)
       save = stop or checkpoints.should_save(step)
-      if step % config.log_every_steps == 0 or is_last or save:
+      if step % train.log_every_steps == 0 or is_last or save:
         summary = log.write(step, batches.stats())
         progress.set_postfix(loss=f"{summary['train/loss']:.4f}",
                              tok_s=f"{summary['perf/tokens_per_sec']:.0f}")
       evaluated = None
-      if (step % config.eval_every_steps == 0 or is_last) and not stop:
+      if (step % train.eval_every_steps == 0 or is_last) and not stop:
         try:
           final_metrics, samples = evaluated = evaluate(state.params)
           writer.write(step, final_metrics)
@@ -251,21 +250,21 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         progress.write(f"{preemption.signal_name} received: stopped after step {step} and "
                        f"saved {checkpoints.path(step)}; run the same command to resume.")
         return {}
-    last_step = max(start_step, config.num_train_steps)
+    last_step = max(start_step, train.num_train_steps)
     final_params = state.params
-    if config.get("average_checkpoints", 0) > 1:
+    if train.average_checkpoints > 1:
       checkpoints.wait()
       final_params, steps = _average_newest(experiment, workdir, checkpoints.steps(),
-                                            config.average_checkpoints)
+                                            train.average_checkpoints)
       final_metrics, samples = evaluate(final_params)
       writer.write(last_step, {**final_metrics, "eval/averaged_checkpoints": len(steps)})
       progress.write(f"average of steps {steps}: " + ", ".join(
           f"{k}={v:.4f}" for k, v in final_metrics.items()))
-    elif start_step >= config.num_train_steps:
+    elif start_step >= train.num_train_steps:
       print(f"already trained to step {start_step} (num_train_steps="
-            f"{config.num_train_steps}); evaluating the saved model")
+            f"{train.num_train_steps}); evaluating the saved model")
       final_metrics, samples = evaluate(state.params)
-    test_split = config.data.get("test_split", "")
+    test_split = options.data.test_split
     if test_split:
       test = Evaluator(experiment, experiment.eval_batches(test_split), eval_step, "test")
       test_metrics, samples = test(final_params)
@@ -301,7 +300,7 @@ def _average_newest(experiment: Experiment, workdir: str, available: Sequence[in
   return checkpoint.restore_params(path, abstract), steps
 
 
-def evaluate_saved(config: ml_collections.ConfigDict, workdir: str | None,
+def evaluate_saved(config: Any, workdir: str | None,
                    path: str | None = None) -> dict[str, float]:
   """Evaluates saved parameters with the config's evaluation: those at `path` (a checkpoint
   or an export, e.g. an average), else the workdir's newest, as `predict` picks them."""
@@ -321,7 +320,8 @@ def evaluate_saved(config: ml_collections.ConfigDict, workdir: str | None,
 
   chosen, (model, params), _ = checkpoint.first_good(candidates, load)
   evaluate = Evaluator(experiment,
-                       experiment.eval_batches(_eval_split(config), experiment.eval.examples),
+                       experiment.eval_batches(experiment.options.data.eval_split,
+                                                 experiment.eval.examples),
                        experiment.eval_step(params_sharding))
   metrics, samples = evaluate(params)
   _print_samples(samples, experiment.eval.num_samples)

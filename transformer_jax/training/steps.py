@@ -10,8 +10,6 @@ import optax
 
 from transformer_jax.training.state import TrainState
 
-NONFINITE_POLICIES = ("stop", "skip")
-
 
 def _grads_and_sums(task: Any, params: Any, batch: dict, rng: jax.Array,
                     grad_accum_steps: int) -> tuple[Any, dict]:

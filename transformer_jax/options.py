@@ -1,0 +1,328 @@
+"""The run config's schema: every config group as a frozen, typed options object with its
+defaults and its validation (one-line UserErrors naming the field), read once from the
+ml_collections config by `RunOptions.from_config`; and the field names that changed.
+
+This is the only module that reads a ConfigDict. Below the setup, a function takes the
+options object it reads: `make_optimizer(OptimizerOptions)`, `make_source(task, DataOptions)`,
+tasks and data readers the `DataOptions`, decoding the `DecodeOptions`. The `model` group is
+typed by `TransformerConfig` (config.py) plus the task's head options (tasks/), since its
+vocabulary sizes come from the data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence, TypeVar
+
+from transformer_jax.errors import UserError
+
+# Old name -> new name. An override of an old name fails with a message giving the new one;
+# a saved config.json that uses old names (workdirs of earlier versions) is read under the
+# new ones.
+RENAMED_FIELDS = {
+    "decode.batch_size": "eval.batch_size",
+    "decode.eval_examples": "eval.examples",
+    "data.eval_examples": "eval.examples",
+    "decode.num_samples": "eval.num_samples",
+    "pooling": "model.pooling",
+    "data.task": "data.synthetic_task",
+}
+
+DATA_SOURCES = ("synthetic", "local", "tfds")
+TOKENIZERS = ("sentencepiece", "words")
+TOO_LONG_POLICIES = ("drop", "truncate")
+SCHEDULES = ("rsqrt", "warmup_cosine", "constant")
+OPTIMIZERS = ("adam", "adamw")
+NONFINITE_POLICIES = ("stop", "skip")
+O = TypeVar("O", bound="_Options")
+
+
+class RenamedFieldError(UserError):
+  """A config field was given by a name it no longer has."""
+
+
+def _integer(group: str, name: str, value: Any, low: int) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    need = "a positive integer" if low == 1 else f"an integer >= {low}"
+    raise UserError(f"{group}{name}={value!r}: must be {need}")
+
+
+def check_choice(group: str, name: str, value: Any, choices: Sequence[str]) -> None:
+  """`group` is the field's prefix ("data."), so the error names the field as it is set."""
+  if value not in choices:
+    raise UserError(f"{group}{name}={value!r}: must be one of {tuple(choices)}")
+
+
+class _Options:
+  """A config group: `from_dict` builds it from a mapping, ignoring keys that are not its
+  fields (saved configs of other versions; the group's own fields are checked here)."""
+  GROUP = ""
+
+  @classmethod
+  def from_dict(cls: type[O], values: Mapping[str, Any] | None) -> O:
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in dict(values or {}).items() if k in names})
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions(_Options):
+  """How outputs are searched for: beam search (beam_size 1: greedy) with length penalty
+  `alpha`, outputs up to `max_extra_length` tokens longer than the input's batch width;
+  taggers decode the most likely valid BIO sequence unless `bio_constrained` is False."""
+  beam_size: int = 4
+  alpha: float = 0.6
+  max_extra_length: int = 50
+  bio_constrained: bool = True
+
+  def __post_init__(self) -> None:
+    _integer("decode.", "beam_size", self.beam_size, 1)
+    _integer("decode.", "max_extra_length", self.max_extra_length, 0)
+    if not isinstance(self.alpha, (int, float)) or self.alpha < 0:
+      raise UserError(f"decode.alpha={self.alpha!r}: must be a number >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions(_Options):
+  """Periodic evaluation: the first `examples` examples of the evaluation split (0: all),
+  scored teacher-forced and decoded, in batches of `batch_size` rows; `num_samples`
+  (input, output, reference) triples are printed."""
+  batch_size: int = 64
+  examples: int = 0
+  num_samples: int = 3
+
+  def __post_init__(self) -> None:
+    for name, low in (("batch_size", 1), ("examples", 0), ("num_samples", 0)):
+      _integer("eval.", name, getattr(self, name), low)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataOptions(_Options):
+  """Where the examples come from and how they are tokenized and batched. Synthetic tasks
+  read only source, synthetic_task, min_length and max_length; local files and TFDS the
+  rest (configs/default.py `text_data` documents each field)."""
+  source: str = "synthetic"                 # synthetic | local | tfds
+  synthetic_task: str = "reverse"           # synthetic: reverse | sort | add
+  min_length: int = 2                       # synthetic: digits per example
+  max_length: int = 64                      # training: tokens per packed row and example
+  dir: str = ""                             # local: the data folder
+  name: str = ""                            # tfds: dataset name
+  tfds_data_dir: str = ""
+  download: bool = False
+  source_language: str = ""
+  target_language: str = ""
+  labels: str = ""                          # class or tag names, comma-separated
+  train_split: str = "train"
+  eval_split: str = ""                      # "": "eval" for synthetic data, else "validation"
+  test_split: str = ""
+  tokenizer: str = "sentencepiece"
+  vocab_size: int = 8000
+  shared_vocab: bool = True
+  spm_model_type: str = "unigram"
+  tokenizer_max_examples: int = 0
+  min_word_count: int = 2
+  too_long: str = "drop"
+  pack: bool = True
+  max_segments: int = 0
+  eval_max_length: int = 128
+  prefetch: int = 2
+
+  def __post_init__(self) -> None:
+    check_choice("data.", "source", self.source, DATA_SOURCES)
+    if not self.eval_split:
+      object.__setattr__(self, "eval_split",
+                         "eval" if self.source == "synthetic" else "validation")
+    _integer("data.", "max_length", self.max_length, 1)
+    if self.synthetic:
+      from transformer_jax.data.synthetic import SyntheticData  # The task list is its own.
+      SyntheticData.check(self.synthetic_task, self.min_length, self.max_length)
+      return
+    _integer("data.", "eval_max_length", self.eval_max_length, 1)
+    check_choice("data.", "too_long", self.too_long, TOO_LONG_POLICIES)
+    check_choice("data.", "tokenizer", self.tokenizer, TOKENIZERS)
+
+  @property
+  def synthetic(self) -> bool:
+    return self.source == "synthetic"
+
+  @property
+  def split_names(self) -> list[str]:
+    """The splits a run reads: train, eval and the test split if one is named."""
+    return list(dict.fromkeys(s for s in (self.train_split, self.eval_split, self.test_split)
+                              if s))
+
+  def check_tokenizer_for(self, task_name: str, kinds: Sequence[str]) -> None:
+    """The tokenizer must be one the task can use (`kinds`: the task's tokenizer_kinds)."""
+    if not self.synthetic and self.tokenizer not in kinds:
+      raise UserError(f"data.tokenizer={self.tokenizer!r} does not fit a {task_name} task: "
+                      f"use {' or '.join(repr(k) for k in kinds)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerOptions(_Options):
+  """Adam or AdamW (paper: Adam(0.9, 0.98, 1e-9)) on a learning-rate schedule whose peak is
+  `learning_rate` (rsqrt with learning_rate <= 0: the paper's own peak), gradients clipped to
+  global norm `clip_grad_norm` (0: off)."""
+  name: str = "adam"
+  b1: float = 0.9
+  b2: float = 0.98
+  eps: float = 1e-9
+  weight_decay: float = 0.0
+  schedule: str = "rsqrt"
+  learning_rate: float = 0.0
+  warmup_steps: int = 4000
+  clip_grad_norm: float = 0.0
+
+  def __post_init__(self) -> None:
+    check_choice("optimizer.", "name", self.name, OPTIMIZERS)
+    check_choice("optimizer.", "schedule", self.schedule, SCHEDULES)
+    _integer("optimizer.", "warmup_steps", self.warmup_steps, 0)
+    if self.schedule == "rsqrt" and self.warmup_steps < 1:
+      raise UserError("optimizer.warmup_steps must be >= 1 for the rsqrt schedule")
+    if self.schedule != "rsqrt" and not self.learning_rate > 0:
+      raise UserError(f"optimizer.learning_rate={self.learning_rate}: must be > 0 for "
+                      f"schedule {self.schedule!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshOptions(_Options):
+  """Devices per mesh axis (sharding.py); -1 takes the devices the others leave."""
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+
+  def sizes(self) -> dict[str, int]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedOptions(_Options):
+  """Multi-host: `initialize` starts jax.distributed (the cluster read from the environment
+  on Cloud TPU/SLURM, or given by coordinator_address, num_processes and process_id)."""
+  initialize: bool = False
+  coordinator_address: str = ""
+  num_processes: int = 0
+  process_id: int = -1
+
+
+_POSITIVE_FIELDS = ("num_train_steps", "log_every_steps", "eval_every_steps",
+                    "checkpoint_every_steps", "keep_checkpoints", "batch_size",
+                    "grad_accum_steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainOptions(_Options):
+  """The top-level fields: the task, the training length and batch, logging, evaluation and
+  checkpoint cadence, which checkpoints are kept, averaged or ranked, and fine-tuning."""
+  task: str = "seq2seq"
+  seed: int = 0
+  num_train_steps: int = 2400
+  log_every_steps: int = 100
+  eval_every_steps: int = 1200
+  checkpoint_every_steps: int = 600
+  keep_checkpoints: int = 3
+  average_checkpoints: int = 0
+  keep_best_checkpoints: int = 0
+  best_checkpoint_metric: str = ""
+  best_checkpoint_mode: str = "max"
+  batch_size: int = 64
+  grad_accum_steps: int = 1
+  label_smoothing: float = 0.1
+  nonfinite: str = "stop"
+  init_from: str = ""
+
+  def __post_init__(self) -> None:
+    for field in _POSITIVE_FIELDS:
+      _integer("config.", field, getattr(self, field), 1)
+    if self.batch_size % self.grad_accum_steps:
+      raise UserError(f"config.batch_size={self.batch_size} must be divisible by "
+                      f"config.grad_accum_steps={self.grad_accum_steps}")
+    check_choice("config.", "nonfinite", self.nonfinite, NONFINITE_POLICIES)
+    _integer("config.", "keep_best_checkpoints", self.keep_best_checkpoints, 0)
+    check_choice("config.", "best_checkpoint_mode", self.best_checkpoint_mode, ("max", "min"))
+    _integer("config.", "average_checkpoints", self.average_checkpoints, 0)
+    average = self.average_checkpoints
+    if average > self.keep_checkpoints:
+      raise UserError(f"config.average_checkpoints={average} needs that many checkpoints "
+                      f"kept: raise config.keep_checkpoints={self.keep_checkpoints} to {average}")
+    saves = -(-self.num_train_steps // self.checkpoint_every_steps)  # the last step saves
+    if average > saves:
+      raise UserError(f"config.average_checkpoints={average}: only {saves} checkpoints are "
+                      f"saved in {self.num_train_steps} steps; lower "
+                      f"config.checkpoint_every_steps={self.checkpoint_every_steps}")
+    if not isinstance(self.label_smoothing, (int, float)) or not 0 <= self.label_smoothing < 1:
+      raise UserError(f"label_smoothing={self.label_smoothing!r}: must be in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+  """A whole run config, parsed: the top-level fields (`train`), each group, the `model`
+  group as given (TransformerConfig fields plus the task's head options), and `as_given`,
+  the config as a plain dict (what config.json and checkpoints record)."""
+  train: TrainOptions
+  data: DataOptions
+  model: Mapping[str, Any]
+  optimizer: OptimizerOptions
+  decode: DecodeOptions
+  eval: EvalOptions
+  mesh: MeshOptions
+  distributed: DistributedOptions
+  as_given: Mapping[str, Any]
+
+  GROUPS = {"data": DataOptions, "optimizer": OptimizerOptions, "decode": DecodeOptions,
+            "eval": EvalOptions, "mesh": MeshOptions, "distributed": DistributedOptions}
+
+  @classmethod
+  def from_config(cls, config: Any) -> "RunOptions":
+    """From an ml_collections ConfigDict (or a plain dict: a saved config, read under the
+    current field names)."""
+    live = hasattr(config, "to_dict")
+    given = upgrade(config.to_dict() if live else dict(config))
+    if live:   # A config file's misspelt field would otherwise be ignored.
+      _check_known_fields(given)
+    groups = {name: option.from_dict(given.get(name)) for name, option in cls.GROUPS.items()}
+    return cls(train=TrainOptions.from_dict(given), model=dict(given.get("model", {})),
+               as_given=given, **groups)  # type: ignore[arg-type]
+
+  def with_batch_size(self, batch_size: int) -> "RunOptions":
+    """The same run with another global batch (aot's planning searches)."""
+    return dataclasses.replace(
+        self, train=dataclasses.replace(self.train, batch_size=batch_size),
+        as_given={**self.as_given, "batch_size": batch_size})
+
+
+def _check_known_fields(given: Mapping[str, Any]) -> None:
+  top = {f.name for f in dataclasses.fields(TrainOptions)} | set(RunOptions.GROUPS) | {"model"}
+  unknown = [f"config.{k}" for k in given if k not in top]
+  for name, group in RunOptions.GROUPS.items():
+    fields = {f.name for f in dataclasses.fields(group)}
+    unknown += [f"config.{name}.{k}" for k in dict(given.get(name) or {}) if k not in fields]
+  if unknown:
+    raise UserError(f"unknown config field(s) {', '.join(unknown)}: not options of this "
+                    "version (the config groups are in transformer_jax/options.py)")
+
+
+def renamed_overrides(argv: Sequence[str]) -> list[str]:
+  """Messages for command-line overrides (`--config.a.b=V`) that use an old field name."""
+  messages = []
+  for arg in argv:
+    if arg.startswith("--config."):
+      name = arg[len("--config."):].split("=", 1)[0]
+      if name in RENAMED_FIELDS:
+        messages.append(f"--config.{name} is now --config.{RENAMED_FIELDS[name]}")
+  return messages
+
+
+def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
+  """A saved run config (config.json, or one inside a checkpoint) with old field names moved
+  to their new ones; the new name wins where both are present."""
+  upgraded = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+  for old, new in RENAMED_FIELDS.items():
+    old_group, _, old_key = old.rpartition(".")
+    source = upgraded.get(old_group, {}) if old_group else upgraded
+    if not isinstance(source, dict) or old_key not in source:
+      continue
+    value = source.pop(old_key)
+    new_group, _, new_key = new.rpartition(".")
+    target = upgraded.setdefault(new_group, {}) if new_group else upgraded
+    target.setdefault(new_key, value)
+  return upgraded
