@@ -23,7 +23,8 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import sentencepiece as spm  # noqa: E402
 
-from transformer_jax import convert, decoding  # noqa: E402
+from transformer_jax import convert, decoding, trees  # noqa: E402
+from transformer_jax.convert import marian  # noqa: E402
 from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig  # noqa: E402
 from transformer_jax.data.tokenizer import SentencePieceTokenizer  # noqa: E402
 from transformer_jax.modules.models import Transformer  # noqa: E402
@@ -94,7 +95,7 @@ def imported(marian_dir):
   cfg, params, run_config, source, target = convert.import_marian(marian_dir)
   hf = json.load(open(os.path.join(marian_dir, "config.json")))
   vocab = json.load(open(os.path.join(marian_dir, "vocab.json")))
-  order, _ = convert.marian_id_order(hf, vocab, {}, marian_dir)
+  order, _ = marian.id_order(hf, vocab, {}, marian_dir)
   to_ours = np.zeros(len(order), np.int64)
   to_ours[[i for i in order if i is not None]] = [j for j, i in enumerate(order) if i is not None]
   model = transformers.MarianMTModel.from_pretrained(marian_dir).eval()
@@ -178,8 +179,8 @@ def _our_model(tmp_path, edit=None, **overrides):
   run_config = {"task": "seq2seq", "model": cfg.to_dict(),
                 "decode": {"beam_size": 4, "alpha": 0.6, "max_extra_length": 20}}
   workdir = str(tmp_path / "ours")
-  convert.write_export(os.path.join(workdir, "exports", "step_0"), params, run_config,
-                       tokenizer, tokenizer)
+  convert.save_params_snapshot(os.path.join(workdir, "exports", "step_0"), params, run_config,
+                               tokenizer, tokenizer)
   return workdir, cfg, params, tokenizer
 
 
@@ -190,7 +191,7 @@ def test_export_loads_in_transformers_and_round_trips_exactly(tmp_path):
 
   workdir, cfg, params, tokenizer = _our_model(tmp_path, random_bias, final_logits_bias=True)
   out = str(tmp_path / "hf")
-  note = convert.export_marian(workdir, out)
+  note = convert.run(to="hf_marian", workdir=workdir, output=out)
   assert "layer_norm_epsilon" in note                       # 1e-6 here, 1e-5 in Marian
 
   model = transformers.MarianMTModel.from_pretrained(out).eval()
@@ -214,7 +215,7 @@ def test_export_loads_in_transformers_and_round_trips_exactly(tmp_path):
 
   cfg_back, params_back, _, source, _ = convert.import_marian(out)
   assert cfg_back == cfg
-  flat, flat_back = convert._flat(params), convert._flat(params_back)
+  flat, flat_back = trees.flatten(params), trees.flatten(params_back)
   assert sorted(flat) == sorted(flat_back)
   for path in flat:
     np.testing.assert_array_equal(np.asarray(flat[path]), flat_back[path], err_msg=path)
@@ -229,8 +230,8 @@ def test_torch_state_dict_round_trip_and_same_function(tmp_path):
       Transformer(cfg).init(jax.random.PRNGKey(1), dummy, dummy)["params"]))
   state = convert.torch_state_dict(params, cfg)
   back = convert.params_from_torch_state_dict(state, cfg)
-  for path, value in convert._flat(params).items():
-    np.testing.assert_array_equal(value, convert._flat(back)[path], err_msg=path)
+  for path, value in trees.flatten(params).items():
+    np.testing.assert_array_equal(value, trees.flatten(back)[path], err_msg=path)
   model = TorchTransformer(cfg, 0.0).eval()      # the layout is exactly its state_dict
   model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
   path = str(tmp_path / "model.safetensors")
@@ -316,7 +317,31 @@ def test_cli_error_is_one_line_exit_2(marian_dir, tmp_path):
 def test_export_refuses_what_marian_cannot_express(tmp_path):
   workdir, *_ = _our_model(tmp_path, norm_position="pre")
   with pytest.raises(convert.ConvertError, match="model.norm_position='pre'"):
-    convert.export_marian(workdir, str(tmp_path / "hf"))
+    convert.run(to="hf_marian", workdir=workdir, output=str(tmp_path / "hf"))
+
+
+def test_cli_export_of_a_classification_run_is_one_line_naming_the_task(tmp_path):
+  """A model of another task fails before any conversion, naming the task and what converts."""
+  from transformer_jax import checkpoint, tasks
+  from transformer_jax.data.tokenizer import tokenizer_item
+  tokenizer = SentencePieceTokenizer.train(_lines("train.en.gz", 500), 100)
+  labels = ["negative", "positive"]
+  run_config = {"task": "classification", "model": {
+      **TransformerConfig.small(tokenizer.vocab_size, num_decoder_layers=0).to_dict(),
+      "pooling": "mean"}}
+  task = tasks.from_run_config(run_config, tokenizer=tokenizer, labels=labels)
+  params = jax.tree_util.tree_map(np.asarray, nn.meta.unbox(
+      task.init_params(jax.random.PRNGKey(0))))
+  workdir = tmp_path / "sst"
+  checkpoint.write_export(str(workdir / "exports" / "step_0"), params, run_config,
+                          tokenizer_item(tokenizer, None, labels), [0])
+  for fmt, output in (("hf_marian", tmp_path / "hf"), ("torch", tmp_path / "m.safetensors")):
+    result = _cli(f"--to={fmt}", f"--workdir={workdir}", f"--output={output}")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "task='classification'" in lines[0] and "task='seq2seq'" in lines[0], lines[0]
+    assert not os.path.exists(output)
 
 
 def _fine_tuning_config(data_dir: str, init_from: str, steps: int):
