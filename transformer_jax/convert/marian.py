@@ -1,18 +1,19 @@
 """MarianMT's names for our model: its config.json, its vocabulary ids and its state_dict.
 
 Pure tables and array re-orderings; reading and writing the save_pretrained directory is
-`marian_files`. The id permutation (this project fixes PAD 0, BOS 1, EOS 2, UNK 3):
+`marian_files`. The ids (this project fixes PAD 0, BOS 1, EOS 2, UNK 3):
 
-  ours   PAD 0            BOS 1                          EOS 2     UNK 3     4, 5, ...
-  Marian (a new row)      pad = decoder_start_token_id   </s>      <unk>     the other ids, in order
+  ours     PAD 0         BOS 1                           EOS 2   UNK 3   4, 5, ..., N-1
+  OPUS-MT  (no such id)  <pad> V-1 = decoder start       </s> 0  <unk> 1  2, 3, ..., V-2
 
 Marian starts decoding with its pad token, which is our BOS. Marian has no id that is only
-padding, so an import adds one row: a zero embedding with final_logits_bias PAD_LOGIT_BIAS.
-An export keeps our ids as they are (PAD stays a row, named JAX_PAD_PIECE) and records in
-config.json, under MARKER, what Marian's config cannot say, so that ours -> HF -> ours gives
-back the same parameters and config. A model with the paper's interleaved sinusoids exports
-exactly too: permuting the model dimensions (every "embed" axis) turns it into the same
-function with Marian's layout.
+padding, so an import adds one row: a zero embedding with final_logits_bias PAD_LOGIT_BIAS
+(N = V + 1). An export drops that row again and writes OPUS-MT's own layout, whatever the
+model's origin, so that CTranslate2 and MarianTokenizer read it as they read OPUS-MT; what
+Marian's config cannot say (the PAD row among it) goes into config.json under MARKER, so that
+ours -> HF -> ours gives back the same parameters and config. A model with the paper's
+interleaved sinusoids exports exactly too: permuting the model dimensions (every "embed"
+axis) turns it into the same function with Marian's layout.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from transformer_jax.modules.embedding import interleaved_to_halves, sinusoidal_
 # Marian's tokens are unchanged to float32 precision, while label smoothing (which puts a
 # little mass on every id) still sees a finite loss.
 PAD_LOGIT_BIAS = -30.0
-JAX_PAD_PIECE = "<jax_pad>"        # vocab.json name of our PAD row in an export
+JAX_PAD_PIECE = "<jax_pad>"        # our PAD row's piece in an import's vocabulary
 MARKER = "transformer_jax"         # config.json key of what Marian's config cannot say
 MARIAN_EPSILON = 1e-5              # MarianMT's LayerNorms use torch's default epsilon
 # Ours -> Hugging Face activation names (flax's gelu is the tanh approximation: "gelu_new").
@@ -97,11 +98,13 @@ def config_from_hf(hf: dict, source: str) -> TransformerConfig:
     raise ConvertError(f"{source}: {e}") from None
 
 
-def hf_config(cfg: TransformerConfig) -> dict:
-  """config.json of a MarianMTModel computing our model."""
+def hf_config(cfg: TransformerConfig, pad_row: dict) -> dict:
+  """config.json of a MarianMTModel computing our model, in OPUS-MT's id layout; `pad_row`
+  (from params_to_state) is kept for the way back."""
+  size = cfg.vocab_size - 1          # without our PAD row
   return {
       "architectures": ["MarianMTModel"], "model_type": "marian",
-      "vocab_size": cfg.vocab_size, "decoder_vocab_size": cfg.vocab_size,
+      "vocab_size": size, "decoder_vocab_size": size,
       "d_model": cfg.d_model, "encoder_layers": cfg.num_encoder_layers,
       "decoder_layers": cfg.num_decoder_layers, "encoder_attention_heads": cfg.num_heads,
       "decoder_attention_heads": cfg.num_heads, "encoder_ffn_dim": cfg.d_ff,
@@ -110,22 +113,23 @@ def hf_config(cfg: TransformerConfig) -> dict:
       "activation_dropout": cfg.activation_dropout_rate,
       "max_position_embeddings": cfg.max_len, "scale_embedding": True,
       "share_encoder_decoder_embeddings": True, "tie_word_embeddings": True,
-      "is_encoder_decoder": True, "pad_token_id": BOS_ID, "decoder_start_token_id": BOS_ID,
-      "eos_token_id": EOS_ID, "forced_eos_token_id": None, "bos_token_id": None,
-      "encoder_layerdrop": 0.0, "decoder_layerdrop": 0.0, "use_cache": True,
-      "dtype": "float32",
-      MARKER: {"pad_token_id": PAD_ID, "sinusoidal_layout": cfg.sinusoidal_layout,
-               "activation": cfg.activation, "final_logits_bias": cfg.final_logits_bias,
-               "layer_norm_epsilon": cfg.layer_norm_epsilon},
+      "is_encoder_decoder": True, "pad_token_id": size - 1,
+      "decoder_start_token_id": size - 1, "eos_token_id": 0, "forced_eos_token_id": None,
+      "bos_token_id": None, "encoder_layerdrop": 0.0, "decoder_layerdrop": 0.0,
+      "use_cache": True, "dtype": "float32",
+      MARKER: {"sinusoidal_layout": cfg.sinusoidal_layout, "activation": cfg.activation,
+               "final_logits_bias": cfg.final_logits_bias,
+               "layer_norm_epsilon": cfg.layer_norm_epsilon, **pad_row},
   }
 
 
 def generation_config(cfg: TransformerConfig, beam_size: int) -> dict:
-  """generation_config.json: our decoding's start, end and budget."""
-  return {"decoder_start_token_id": BOS_ID, "eos_token_id": EOS_ID,
-          "pad_token_id": BOS_ID, "max_length": cfg.max_len, "num_beams": beam_size,
-          # Our decoding never emits PAD or BOS (Marian's pad): ban both here too.
-          "bad_words_ids": [[BOS_ID], [PAD_ID]]}
+  """generation_config.json: our decoding's start, end and budget, in OPUS-MT's ids."""
+  pad = cfg.vocab_size - 2
+  return {"decoder_start_token_id": pad, "eos_token_id": 0, "forced_eos_token_id": None,
+          "pad_token_id": pad, "max_length": cfg.max_len, "num_beams": beam_size,
+          # Our decoding never emits BOS (Marian's pad): ban it here too.
+          "bad_words_ids": [[pad]]}
 
 
 def tokenizer_config(cfg: TransformerConfig) -> dict:
@@ -171,9 +175,15 @@ def id_order(hf: dict, vocab: dict[str, int], tokenizer_config: dict,
   if len({start, eos, unk}) < 3:
     raise ConvertError(f"{source}: decoder start, EOS and UNK ids must differ "
                        f"({start}, {eos}, {unk})")
-  pad = hf.get(MARKER, {}).get("pad_token_id")
+  pad = hf.get(MARKER, {}).get("pad_token_id")   # set by exports of earlier versions only
   taken = {start, eos, unk, pad}
   return [pad, start, eos, unk] + [i for i in range(size) if i not in taken], size
+
+
+def opus_mt_order(cfg: TransformerConfig) -> list[int | None]:
+  """The id order (as id_order gives it) that an export writes: OPUS-MT's layout."""
+  size = cfg.vocab_size - 1
+  return [None, size - 1, 0, 1] + list(range(2, size - 1))
 
 
 def pieces(tokenizer: Any) -> list[str]:
@@ -184,24 +194,25 @@ def pieces(tokenizer: Any) -> list[str]:
   return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
 
 
-def vocab(tokenizer: Any) -> dict[str, int]:
-  """vocab.json: our ids as they are; the specials named as MarianTokenizer expects (our
-  BOS is Marian's pad and decoder start)."""
+def vocab(tokenizer: Any, order: list[int | None]) -> dict[str, int]:
+  """vocab.json: our piece j at Marian id order[j] (PAD has none); the specials named as
+  MarianTokenizer expects (our BOS is Marian's pad and decoder start)."""
   names = pieces(tokenizer)
-  for i, name in ((PAD_ID, JAX_PAD_PIECE), (BOS_ID, "<pad>"), (EOS_ID, "</s>"),
-                  (UNK_ID, "<unk>")):
+  for i, name in ((BOS_ID, "<pad>"), (EOS_ID, "</s>"), (UNK_ID, "<unk>")):
     names[i] = name
-  out = {piece: i for i, piece in enumerate(names)}
-  if len(out) != len(names):
+  out = {names[j]: i for j, i in enumerate(order) if i is not None}
+  if len(out) != len(names) - 1:
     raise ConvertError("the vocabulary has a piece named like a special token "
-                       f"({JAX_PAD_PIECE}, <pad>, </s> or <unk>)")
+                       "(<pad>, </s> or <unk>) or twice")
   return out
 
 
 # ------------------------------------------------------------------------- tensors
 def state_to_params(state: dict[str, np.ndarray], cfg: TransformerConfig,
-                    order: list[int | None], source: str) -> dict:
-  """Our parameter tree from a MarianMTModel state_dict (ids re-ordered by `order`)."""
+                    order: list[int | None], source: str, pad_row: dict | None = None) -> dict:
+  """Our parameter tree from a MarianMTModel state_dict (ids re-ordered by `order`); the PAD
+  row an import adds is `pad_row` (params_to_state's, kept in config.json) or else zero."""
+  pad_row = pad_row or {}
   shapes = expected_shapes(cfg)
   size = sum(i is not None for i in order)   # Marian's vocabulary
   params: dict = {}
@@ -224,11 +235,14 @@ def state_to_params(state: dict[str, np.ndarray], cfg: TransformerConfig,
                          "an option this project lacks")
   bias = state.get("final_logits_bias", np.zeros((1, size), np.float32))
   check_shape("final_logits_bias", bias, (1, size), source)
-  rows = [np.zeros(cfg.d_model, np.float32) if i is None else table[i] for i in order]
+  pad_embedding = np.asarray(pad_row.get("pad_embedding", np.zeros(cfg.d_model)), np.float32)
+  check_shape(f"config.json {MARKER}.pad_embedding", pad_embedding, (cfg.d_model,), source)
+  rows = [pad_embedding if i is None else table[i] for i in order]
   trees.set_path(params, "shared_embedding/embedding", np.stack(rows))
   if cfg.final_logits_bias:
+    pad_bias = pad_row.get("pad_logit_bias", PAD_LOGIT_BIAS)
     trees.set_path(params, "decoder/final_logits_bias", np.array(
-        [PAD_LOGIT_BIAS if i is None else bias[0, i] for i in order], np.float32))
+        [pad_bias if i is None else bias[0, i] for i in order], np.float32))
   elif np.any(bias):
     raise ConvertError(f"{source}: final_logits_bias is nonzero but the config says "
                        "final_logits_bias=false")
@@ -255,15 +269,22 @@ def state_to_params(state: dict[str, np.ndarray], cfg: TransformerConfig,
   return params
 
 
-def params_to_state(params: dict, cfg: TransformerConfig) -> dict[str, np.ndarray]:
-  """MarianMTModel's state_dict (numpy) for our unrolled, separate-QKV parameters."""
+def params_to_state(params: dict, cfg: TransformerConfig) -> tuple[dict[str, np.ndarray], dict]:
+  """(MarianMTModel's state_dict (numpy) in OPUS-MT's id layout, our PAD row) for our
+  unrolled, separate-QKV parameters. The PAD row has no place in Marian's tables:
+  {"pad_embedding", "pad_logit_bias"} (JSON lists and floats) go into config.json."""
   if cfg.sinusoidal_layout == "interleaved":
     params = permute_embed_axes(params, cfg, interleaved_to_halves(cfg.d_model))
   state = {key: np.asarray(to_theirs(np.asarray(trees.get_path(params, ours), np.float32)))
            for ours, key, _, to_theirs in layer_tensors(cfg, "marian")}
-  state["model.shared.weight"] = np.asarray(
-      trees.get_path(params, "shared_embedding/embedding"), np.float32)
+  table = np.asarray(trees.get_path(params, "shared_embedding/embedding"), np.float32)
   bias = (np.asarray(params["decoder"]["final_logits_bias"], np.float32)
           if cfg.final_logits_bias else np.zeros(cfg.vocab_size, np.float32))
-  state["final_logits_bias"] = bias[None]
-  return state
+  order = opus_mt_order(cfg)
+  ours_of = np.argsort(np.array([-1 if i is None else i for i in order]))[1:]  # Marian id -> ours
+  state["model.shared.weight"] = table[ours_of]
+  state["final_logits_bias"] = bias[ours_of][None]
+  pad_row = {"pad_embedding": [float(x) for x in table[PAD_ID]]}
+  if cfg.final_logits_bias:
+    pad_row["pad_logit_bias"] = float(bias[PAD_ID])
+  return state, pad_row

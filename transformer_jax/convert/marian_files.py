@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 from transformer_jax.config import TransformerConfig
 from transformer_jax.convert import marian
 from transformer_jax.convert.files import (OurModel, read_json, read_state_dict, write_json)
@@ -51,7 +53,8 @@ def import_marian(directory: str, allow_pickle: bool = False) -> Imported:
     weights = os.path.join(directory, "pytorch_model.bin")
     if not os.path.isfile(weights):
       raise ConvertError(f"{directory}: missing model.safetensors (or pytorch_model.bin)")
-  params = marian.state_to_params(read_state_dict(weights, allow_pickle), cfg, order, weights)
+  params = marian.state_to_params(read_state_dict(weights, allow_pickle), cfg, order, weights,
+                                  hf.get(marian.MARKER))
 
   pieces_by_id = {i: piece for piece, i in vocab.items()}
   if marian.JAX_PAD_PIECE in vocab and order[0] is None:
@@ -78,7 +81,7 @@ def import_marian(directory: str, allow_pickle: bool = False) -> Imported:
 
 def write_hf_marian(model: OurModel, output: str) -> str:
   """Writes `model` as a MarianMT save_pretrained directory at `output` (which must be
-  absent or empty); returns a note for the user ("" when the conversion is exact)."""
+  absent or empty); returns notes for the user ("" when every reader computes it exactly)."""
   if os.path.exists(output) and os.listdir(output):
     raise ConvertError(f"--output={output} exists and is not empty; choose another")
   cfg = model.config
@@ -89,20 +92,25 @@ def write_hf_marian(model: OurModel, output: str) -> str:
   from safetensors.numpy import save_file
 
   os.makedirs(output, exist_ok=True)
-  save_file(marian.params_to_state(model.params, cfg),
-            os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+  state, pad_row = marian.params_to_state(model.params, cfg)
+  save_file(state, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
   beam_size = int(model.record.config.get("decode", {}).get("beam_size", 4))
-  files = {"config.json": marian.hf_config(cfg),
+  files = {"config.json": marian.hf_config(cfg, pad_row),
            "generation_config.json": marian.generation_config(cfg, beam_size),
-           "vocab.json": marian.vocab(tokenizer),
+           "vocab.json": marian.vocab(tokenizer, marian.opus_mt_order(cfg)),
            "tokenizer_config.json": marian.tokenizer_config(cfg)}
   for name, content in files.items():
     write_json(os.path.join(output, name), content)
   for name, side in (("source.spm", tokenizer), ("target.spm", target)):
     with open(os.path.join(output, name), "wb") as f:
       f.write(side.model_proto)
+  notes = []
   if cfg.layer_norm_epsilon != marian.MARIAN_EPSILON:
-    return (f"note: layer_norm_epsilon={cfg.layer_norm_epsilon:g} becomes MarianMT's fixed "
-            f"{marian.MARIAN_EPSILON:g} in transformers (recorded in config.json for the way "
-            "back)")
-  return ""
+    notes.append(f"note: layer_norm_epsilon={cfg.layer_norm_epsilon:g} becomes MarianMT's "
+                 f"fixed {marian.MARIAN_EPSILON:g} in transformers (recorded in config.json "
+                 "for the way back)")
+  if np.any(state["model.shared.weight"][-1]):
+    notes.append("note: the decoder's start embedding (<pad>, our BOS) is not zero: "
+                 "transformers computes this model exactly, but CTranslate2 starts Marian "
+                 "decoders from a zero vector, so its translations can differ from ours")
+  return "\n".join(notes)
