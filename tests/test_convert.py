@@ -1,11 +1,8 @@
-"""Hugging Face MarianMT and torch.nn.Transformer conversion, checked against transformers
-itself: a small random MarianMTModel with SentencePiece models trained on Multi30k text,
-written with save_pretrained, all offline."""
+"""Hugging Face MarianMT conversion, checked against transformers itself and CTranslate2:
+a small random MarianMTModel (tests/marian_fixture.py), all offline."""
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
 import os
 import shutil
@@ -21,7 +18,6 @@ pytest.importorskip("safetensors")
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
-import sentencepiece as spm  # noqa: E402
 
 from transformer_jax import convert, decoding, trees  # noqa: E402
 from transformer_jax.convert import marian  # noqa: E402
@@ -29,64 +25,16 @@ from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig  # noqa: E4
 from transformer_jax.data.tokenizer import SentencePieceTokenizer  # noqa: E402
 from transformer_jax.modules.models import Transformer  # noqa: E402
 from transformer_jax.predict import Predictor  # noqa: E402
+from marian_fixture import DATA, ROOT, write_marian_dir, lines as _lines  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(ROOT, "..", "shared", "data", "multi30k")
 pytestmark = pytest.mark.skipif(not os.path.isdir(DATA),
                                 reason="needs the Multi30k text in ../shared/data/multi30k")
 
 
-def _lines(name: str, limit: int | None = None) -> list[str]:
-  with gzip.open(os.path.join(DATA, name), "rt", encoding="utf-8") as f:
-    lines = [line.rstrip("\n") for line in f]
-  return lines[:limit] if limit else lines
-
-
-def _spm(texts: list[str], size: int) -> bytes:
-  model = io.BytesIO()
-  spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model,
-                                 vocab_size=size, hard_vocab_limit=False, minloglevel=2,
-                                 num_threads=1)
-  return model.getvalue()
-
-
 @pytest.fixture(scope="module")
 def marian_dir(tmp_path_factory):
-  """A random MarianMTModel (OPUS-MT layout: swish, scaled embeddings, pad = decoder start =
-  last id, EOS 0, UNK 1) and its MarianTokenizer files, saved with save_pretrained."""
   directory = str(tmp_path_factory.mktemp("marian"))
-  protos = {"source.spm": _spm(_lines("train.de.gz", 3000), 300),
-            "target.spm": _spm(_lines("train.en.gz", 3000), 300)}
-  pieces = []
-  for name, proto in protos.items():
-    with open(os.path.join(directory, name), "wb") as f:
-      f.write(proto)
-    sp = spm.SentencePieceProcessor(model_proto=proto)
-    pieces += [sp.id_to_piece(i) for i in range(sp.get_piece_size())
-               if not (sp.is_control(i) or sp.is_unknown(i))]
-  words = ["</s>", "<unk>"] + list(dict.fromkeys(pieces)) + ["<pad>"]
-  with open(os.path.join(directory, "vocab.json"), "w") as f:
-    json.dump({w: i for i, w in enumerate(words)}, f)
-  pad = len(words) - 1
-  hf = transformers.MarianConfig(
-      vocab_size=len(words), d_model=32, encoder_layers=2, decoder_layers=2,
-      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-      decoder_ffn_dim=64, max_position_embeddings=128, activation_function="swish",
-      scale_embedding=True, pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=0,
-      forced_eos_token_id=None, dropout=0.1)
-  torch.manual_seed(0)
-  model = transformers.MarianMTModel(hf).eval()
-  with torch.no_grad():   # every tensor random, LayerNorms and the logits bias included
-    for name, p in model.named_parameters():
-      p.copy_(1.0 + 0.2 * torch.randn_like(p) if "layer_norm.weight" in name
-              else 0.3 * torch.randn_like(p))
-    model.final_logits_bias.copy_(torch.randn_like(model.final_logits_bias))
-  model.generation_config.max_length = 32    # the import's decoding budget (predict)
-  model.save_pretrained(directory)
-  tokenizer = transformers.MarianTokenizer(os.path.join(directory, "source.spm"),
-                                           os.path.join(directory, "target.spm"),
-                                           os.path.join(directory, "vocab.json"))
-  tokenizer.save_pretrained(directory)
+  write_marian_dir(directory)
   return directory
 
 
@@ -303,28 +251,6 @@ def test_ctranslate2_converts_the_export_and_translates_as_we_do(marian_dir, tmp
     assert [target.pieces[i] for i in row] == result.hypotheses[0]
 
 
-def test_torch_state_dict_round_trip_and_same_function(tmp_path):
-  from benchmarks.torch_reference import TorchTransformer
-  cfg = TransformerConfig.small(40, norm_position="pre", positional="learned")
-  dummy = np.ones((1, 4), np.int32)
-  params = jax.tree_util.tree_map(np.asarray, nn.meta.unbox(
-      Transformer(cfg).init(jax.random.PRNGKey(1), dummy, dummy)["params"]))
-  state = convert.torch_state_dict(params, cfg)
-  back = convert.params_from_torch_state_dict(state, cfg)
-  for path, value in trees.flatten(params).items():
-    np.testing.assert_array_equal(value, trees.flatten(back)[path], err_msg=path)
-  model = TorchTransformer(cfg, 0.0).eval()      # the layout is exactly its state_dict
-  model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
-  path = str(tmp_path / "model.safetensors")
-  from safetensors.numpy import save_file
-  save_file(state, path)
-  assert convert.read_state_dict(path, allow_pickle=False).keys() == state.keys()
-  bad = dict(state)
-  bad["embedding.weight"] = bad["embedding.weight"][:, :-1]
-  with pytest.raises(convert.ConvertError, match="embedding.weight has shape"):
-    convert.params_from_torch_state_dict(bad, cfg)
-
-
 def _cli(*args: str) -> subprocess.CompletedProcess:
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", "transformer_jax.convert", *args],
@@ -399,30 +325,6 @@ def test_export_refuses_what_marian_cannot_express(tmp_path):
   workdir, *_ = _our_model(tmp_path, norm_position="pre")
   with pytest.raises(convert.ConvertError, match="model.norm_position='pre'"):
     convert.run(to="hf_marian", workdir=workdir, output=str(tmp_path / "hf"))
-
-
-def test_cli_export_of_a_classification_run_is_one_line_naming_the_task(tmp_path):
-  """A model of another task fails before any conversion, naming the task and what converts."""
-  from transformer_jax import checkpoint, tasks
-  from transformer_jax.data.tokenizer import tokenizer_item
-  tokenizer = SentencePieceTokenizer.train(_lines("train.en.gz", 500), 100)
-  labels = ["negative", "positive"]
-  run_config = {"task": "classification", "model": {
-      **TransformerConfig.small(tokenizer.vocab_size, num_decoder_layers=0).to_dict(),
-      "pooling": "mean"}}
-  task = tasks.from_run_config(run_config, tokenizer=tokenizer, labels=labels)
-  params = jax.tree_util.tree_map(np.asarray, nn.meta.unbox(
-      task.init_params(jax.random.PRNGKey(0))))
-  workdir = tmp_path / "sst"
-  checkpoint.write_export(str(workdir / "exports" / "step_0"), params, run_config,
-                          tokenizer_item(tokenizer, None, labels), [0])
-  for fmt, output in (("hf_marian", tmp_path / "hf"), ("torch", tmp_path / "m.safetensors")):
-    result = _cli(f"--to={fmt}", f"--workdir={workdir}", f"--output={output}")
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "task='classification'" in lines[0] and "task='seq2seq'" in lines[0], lines[0]
-    assert not os.path.exists(output)
 
 
 def _fine_tuning_config(data_dir: str, init_from: str, steps: int):
