@@ -53,7 +53,7 @@ class TorchTransformer(nn.Module):
                                          for k in ("encoder", "decoder")})
     else:
       self.positions = None
-      # Not persistent: fixed, so not part of the state_dict that convert.py maps.
+      # Not persistent: fixed, so not part of the state_dict that convert/torch_transformer.py maps.
       self.register_buffer("sinusoids", torch.from_numpy(sinusoidal_table(cfg.max_len, d)),
                            persistent=False)
     self.dropout = nn.Dropout(cfg.dropout_rate)

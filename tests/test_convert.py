@@ -1,11 +1,8 @@
-"""Hugging Face MarianMT and torch.nn.Transformer conversion, checked against transformers
-itself: a small random MarianMTModel with SentencePiece models trained on Multi30k text,
-written with save_pretrained, all offline."""
+"""Hugging Face MarianMT conversion, checked against transformers itself and CTranslate2:
+a small random MarianMTModel (tests/marian_fixture.py), all offline."""
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
 import os
 import shutil
@@ -21,72 +18,31 @@ pytest.importorskip("safetensors")
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
-import sentencepiece as spm  # noqa: E402
 
-from transformer_jax import convert, decoding  # noqa: E402
+from transformer_jax import convert, decoding, trees  # noqa: E402
+from transformer_jax.convert import marian  # noqa: E402
 from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig  # noqa: E402
 from transformer_jax.data.tokenizer import SentencePieceTokenizer  # noqa: E402
 from transformer_jax.modules.models import Transformer  # noqa: E402
 from transformer_jax.predict import Predictor  # noqa: E402
+from marian_fixture import DATA, ROOT, write_marian_dir, lines as _lines  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(ROOT, "..", "shared", "data", "multi30k")
 pytestmark = pytest.mark.skipif(not os.path.isdir(DATA),
                                 reason="needs the Multi30k text in ../shared/data/multi30k")
 
 
-def _lines(name: str, limit: int | None = None) -> list[str]:
-  with gzip.open(os.path.join(DATA, name), "rt", encoding="utf-8") as f:
-    lines = [line.rstrip("\n") for line in f]
-  return lines[:limit] if limit else lines
-
-
-def _spm(texts: list[str], size: int) -> bytes:
-  model = io.BytesIO()
-  spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model,
-                                 vocab_size=size, hard_vocab_limit=False, minloglevel=2,
-                                 num_threads=1)
-  return model.getvalue()
-
-
 @pytest.fixture(scope="module")
 def marian_dir(tmp_path_factory):
-  """A random MarianMTModel (OPUS-MT layout: swish, scaled embeddings, pad = decoder start =
-  last id, EOS 0, UNK 1) and its MarianTokenizer files, saved with save_pretrained."""
   directory = str(tmp_path_factory.mktemp("marian"))
-  protos = {"source.spm": _spm(_lines("train.de.gz", 3000), 300),
-            "target.spm": _spm(_lines("train.en.gz", 3000), 300)}
-  pieces = []
-  for name, proto in protos.items():
-    with open(os.path.join(directory, name), "wb") as f:
-      f.write(proto)
-    sp = spm.SentencePieceProcessor(model_proto=proto)
-    pieces += [sp.id_to_piece(i) for i in range(sp.get_piece_size())
-               if not (sp.is_control(i) or sp.is_unknown(i))]
-  words = ["</s>", "<unk>"] + list(dict.fromkeys(pieces)) + ["<pad>"]
-  with open(os.path.join(directory, "vocab.json"), "w") as f:
-    json.dump({w: i for i, w in enumerate(words)}, f)
-  pad = len(words) - 1
-  hf = transformers.MarianConfig(
-      vocab_size=len(words), d_model=32, encoder_layers=2, decoder_layers=2,
-      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-      decoder_ffn_dim=64, max_position_embeddings=128, activation_function="swish",
-      scale_embedding=True, pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=0,
-      forced_eos_token_id=None, dropout=0.1)
-  torch.manual_seed(0)
-  model = transformers.MarianMTModel(hf).eval()
-  with torch.no_grad():   # every tensor random, LayerNorms and the logits bias included
-    for name, p in model.named_parameters():
-      p.copy_(1.0 + 0.2 * torch.randn_like(p) if "layer_norm.weight" in name
-              else 0.3 * torch.randn_like(p))
-    model.final_logits_bias.copy_(torch.randn_like(model.final_logits_bias))
-  model.generation_config.max_length = 32    # the import's decoding budget (predict)
-  model.save_pretrained(directory)
-  tokenizer = transformers.MarianTokenizer(os.path.join(directory, "source.spm"),
-                                           os.path.join(directory, "target.spm"),
-                                           os.path.join(directory, "vocab.json"))
-  tokenizer.save_pretrained(directory)
+  write_marian_dir(directory)
   return directory
+
+
+def _to_ours(order: list[int | None]) -> np.ndarray:
+  """Marian id -> our id, for an id order of marian.id_order or marian.opus_mt_order."""
+  to_ours = np.zeros(sum(i is not None for i in order), np.int64)
+  to_ours[[i for i in order if i is not None]] = [j for j, i in enumerate(order) if i is not None]
+  return to_ours
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +50,8 @@ def imported(marian_dir):
   cfg, params, run_config, source, target = convert.import_marian(marian_dir)
   hf = json.load(open(os.path.join(marian_dir, "config.json")))
   vocab = json.load(open(os.path.join(marian_dir, "vocab.json")))
-  order, _ = convert.marian_id_order(hf, vocab, {}, marian_dir)
-  to_ours = np.zeros(len(order), np.int64)
-  to_ours[[i for i in order if i is not None]] = [j for j, i in enumerate(order) if i is not None]
+  order, _ = marian.id_order(hf, vocab, {}, marian_dir)
+  to_ours = _to_ours(order)
   model = transformers.MarianMTModel.from_pretrained(marian_dir).eval()
   tokenizer = transformers.MarianTokenizer.from_pretrained(marian_dir)
   return dict(cfg=cfg, params=params, run_config=run_config, source=source, target=target,
@@ -178,8 +133,8 @@ def _our_model(tmp_path, edit=None, **overrides):
   run_config = {"task": "seq2seq", "model": cfg.to_dict(),
                 "decode": {"beam_size": 4, "alpha": 0.6, "max_extra_length": 20}}
   workdir = str(tmp_path / "ours")
-  convert.write_export(os.path.join(workdir, "exports", "step_0"), params, run_config,
-                       tokenizer, tokenizer)
+  convert.save_params_snapshot(os.path.join(workdir, "exports", "step_0"), params, run_config,
+                               tokenizer, tokenizer)
   return workdir, cfg, params, tokenizer
 
 
@@ -190,57 +145,110 @@ def test_export_loads_in_transformers_and_round_trips_exactly(tmp_path):
 
   workdir, cfg, params, tokenizer = _our_model(tmp_path, random_bias, final_logits_bias=True)
   out = str(tmp_path / "hf")
-  note = convert.export_marian(workdir, out)
+  note = convert.run(to="hf_marian", workdir=workdir, output=out)
   assert "layer_norm_epsilon" in note                       # 1e-6 here, 1e-5 in Marian
 
   model = transformers.MarianMTModel.from_pretrained(out).eval()
   hf_tokenizer = transformers.MarianTokenizer.from_pretrained(out)
   sources, targets = _lines("val.de.gz", 5), _lines("val.en.gz", 5)
   batch = hf_tokenizer(sources, text_target=targets, padding=True, return_tensors="pt")
-  for text, ids in zip(sources, batch["input_ids"].tolist()):   # same ids, + </s>
-    assert [i for i in ids if i != hf_tokenizer.pad_token_id] == tokenizer.encode(text) + [EOS_ID]
-  src = np.where(batch["attention_mask"].numpy() == 1, batch["input_ids"].numpy(), PAD_ID)
+  # OPUS-MT's layout: </s> 0, <unk> 1, our pieces in order, <pad> (our BOS) last; no PAD.
+  to_ours = _to_ours(marian.opus_mt_order(cfg))
+  assert model.config.vocab_size == cfg.vocab_size - 1 == len(hf_tokenizer.get_vocab())
+  assert model.config.pad_token_id == model.config.decoder_start_token_id == cfg.vocab_size - 2
+  assert hf_tokenizer.convert_ids_to_tokens([0, 1, cfg.vocab_size - 2]) == ["</s>", "<unk>",
+                                                                            "<pad>"]
+  pad = hf_tokenizer.pad_token_id
+  for text, ids in zip(sources, batch["input_ids"].tolist()):   # same pieces, + </s>
+    assert to_ours[[i for i in ids if i != pad]].tolist() == tokenizer.encode(text) + [EOS_ID]
+  src = np.where(batch["attention_mask"].numpy() == 1, to_ours[batch["input_ids"].numpy()],
+                 PAD_ID)
   labels = batch["labels"].numpy()
-  labels = np.where(labels == -100, hf_tokenizer.pad_token_id, labels)
-  tgt = np.concatenate([np.ones((len(labels), 1), np.int64), labels[:, :-1]], 1)
-  real = np.concatenate([np.ones((len(labels), 1), bool),
-                         labels[:, :-1] != hf_tokenizer.pad_token_id], 1)
+  labels = np.where(labels == -100, pad, labels)
+  dec_in = np.concatenate([np.full((len(labels), 1), pad), labels[:, :-1]], 1)
+  real = np.concatenate([np.ones((len(labels), 1), bool), labels[:, :-1] != pad], 1)
+  assert (~real).any()                                                       # really padded
   with torch.no_grad():
     theirs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   decoder_input_ids=torch.from_numpy(tgt)).logits.numpy()
+                   decoder_input_ids=torch.from_numpy(dec_in)).logits.numpy()
   ours = np.asarray(Transformer(cfg).apply({"params": params}, src.astype(np.int32),
-                                           np.where(real, tgt, PAD_ID).astype(np.int32)))
-  assert np.abs(ours[real] - theirs[real]).max() < 1e-4
+                                           np.where(real, to_ours[dec_in], PAD_ID).astype(np.int32)))
+  assert np.abs(ours[real][:, to_ours] - theirs[real]).max() < 1e-4
 
   cfg_back, params_back, _, source, _ = convert.import_marian(out)
   assert cfg_back == cfg
-  flat, flat_back = convert._flat(params), convert._flat(params_back)
+  flat, flat_back = trees.flatten(params), trees.flatten(params_back)
   assert sorted(flat) == sorted(flat_back)
   for path in flat:
     np.testing.assert_array_equal(np.asarray(flat[path]), flat_back[path], err_msg=path)
   assert source.encode(sources[0]) == tokenizer.encode(sources[0]) + [EOS_ID]
 
 
-def test_torch_state_dict_round_trip_and_same_function(tmp_path):
-  from benchmarks.torch_reference import TorchTransformer
-  cfg = TransformerConfig.small(40, norm_position="pre", positional="learned")
-  dummy = np.ones((1, 4), np.int32)
-  params = jax.tree_util.tree_map(np.asarray, nn.meta.unbox(
-      Transformer(cfg).init(jax.random.PRNGKey(1), dummy, dummy)["params"]))
-  state = convert.torch_state_dict(params, cfg)
-  back = convert.params_from_torch_state_dict(state, cfg)
-  for path, value in convert._flat(params).items():
-    np.testing.assert_array_equal(value, convert._flat(back)[path], err_msg=path)
-  model = TorchTransformer(cfg, 0.0).eval()      # the layout is exactly its state_dict
-  model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
-  path = str(tmp_path / "model.safetensors")
-  from safetensors.numpy import save_file
-  save_file(state, path)
-  assert convert.read_state_dict(path, allow_pickle=False).keys() == state.keys()
-  bad = dict(state)
-  bad["embedding.weight"] = bad["embedding.weight"][:, :-1]
-  with pytest.raises(convert.ConvertError, match="embedding.weight has shape"):
-    convert.params_from_torch_state_dict(bad, cfg)
+def _padded_batch(tokenizer, sources, targets):
+  batch = tokenizer(sources, text_target=targets, padding=True, return_tensors="pt")
+  pad = tokenizer.pad_token_id
+  labels = batch["labels"].masked_fill(batch["labels"] == -100, pad)
+  dec_in = torch.cat([torch.full((labels.shape[0], 1), pad), labels[:, :-1]], 1)
+  assert (batch["attention_mask"] == 0).any() and (dec_in[:, 1:] == pad).any()   # padded
+  return batch, dec_in
+
+
+def test_marian_import_then_export_gives_back_the_original(marian_dir, tmp_path):
+  """HF -> import -> export: OPUS-MT's layout again (no extra PAD row), the same vocabulary
+  and config ids, and the same logits on a padded batch."""
+  workdir, out = str(tmp_path / "w"), str(tmp_path / "back")
+  convert.run(from_="hf_marian", input=marian_dir, workdir=workdir)
+  convert.run(to="hf_marian", workdir=workdir, output=out)
+  original = transformers.MarianMTModel.from_pretrained(marian_dir).eval()
+  back = transformers.MarianMTModel.from_pretrained(out).eval()
+  for field in ("vocab_size", "pad_token_id", "decoder_start_token_id", "eos_token_id"):
+    assert getattr(back.config, field) == getattr(original.config, field), field
+  with open(os.path.join(marian_dir, "vocab.json")) as f, \
+       open(os.path.join(out, "vocab.json")) as g:
+    assert json.load(f) == json.load(g)
+  tokenizer = transformers.MarianTokenizer.from_pretrained(out)
+  sources, targets = _lines("val.de.gz", 6), _lines("val.en.gz", 6)
+  batch, dec_in = _padded_batch(tokenizer, sources, targets)
+  assert batch["input_ids"].tolist() == transformers.MarianTokenizer.from_pretrained(
+      marian_dir)(sources, padding=True, return_tensors="pt")["input_ids"].tolist()
+  with torch.no_grad():
+    logits = [m(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                decoder_input_ids=dec_in).logits.numpy() for m in (original, back)]
+  assert logits[0].shape == logits[1].shape
+  assert np.abs(logits[0] - logits[1]).max() < 1e-4
+
+
+def test_ctranslate2_converts_the_export_and_translates_as_we_do(marian_dir, tmp_path):
+  """ctranslate2's TransformersConverter (ct2-transformers-converter) reads our export, and
+  its greedy translations of 50 Multi30k lines equal ours token for token. CTranslate2 starts
+  Marian's decoder from a zero vector, as Marian itself does; OPUS-MT models (whose pad row,
+  our BOS row, is zero) translate the same, so the fixture's pad row is zeroed here."""
+  ctranslate2 = pytest.importorskip("ctranslate2")
+  from safetensors.numpy import load_file, save_file
+  opus = _broken_copy(marian_dir, tmp_path, "opus")
+  weights = os.path.join(opus, "model.safetensors")
+  state = load_file(weights)
+  state["model.shared.weight"][-1] = 0.0
+  save_file(state, weights, metadata={"format": "pt"})
+  workdir, out, ct2_dir = (str(tmp_path / name) for name in ("w", "hf", "ct2"))
+  convert.run(from_="hf_marian", input=opus, workdir=workdir)
+  convert.run(to="hf_marian", workdir=workdir, output=out)
+  ctranslate2.converters.TransformersConverter(out).convert(ct2_dir)
+
+  cfg, params, _, source, target = convert.import_marian(out)
+  lines, length = _lines("val.de.gz", 50), 24
+  encoded = [source.encode(line) for line in lines]
+  src = np.full((len(lines), max(map(len, encoded))), PAD_ID, np.int32)
+  for row, ids in zip(src, encoded):
+    row[:len(ids)] = ids
+  ours = decoding.generate(cfg, params, src, max_length=length, beam_size=1)
+  translator = ctranslate2.Translator(ct2_dir, device="cpu", inter_threads=1, intra_threads=1)
+  results = translator.translate_batch([[source.pieces[i] for i in ids] for ids in encoded],
+                                       beam_size=1, max_decoding_length=length)
+  for row, result in zip(np.asarray(ours).tolist(), results):
+    if EOS_ID in row:
+      row = row[:row.index(EOS_ID)]
+    assert [target.pieces[i] for i in row] == result.hypotheses[0]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -316,7 +324,7 @@ def test_cli_error_is_one_line_exit_2(marian_dir, tmp_path):
 def test_export_refuses_what_marian_cannot_express(tmp_path):
   workdir, *_ = _our_model(tmp_path, norm_position="pre")
   with pytest.raises(convert.ConvertError, match="model.norm_position='pre'"):
-    convert.export_marian(workdir, str(tmp_path / "hf"))
+    convert.run(to="hf_marian", workdir=workdir, output=str(tmp_path / "hf"))
 
 
 def _fine_tuning_config(data_dir: str, init_from: str, steps: int):

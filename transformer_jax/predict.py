@@ -34,19 +34,8 @@ class Predictor:
   """Loads a model once (see the module doc for which) and predicts batches of lines."""
 
   def __init__(self, workdir: str | None = None, checkpoint_path: str | None = None):
-    if checkpoint_path is not None:
-      if not os.path.isdir(checkpoint_path):
-        raise MissingFileError(f"checkpoint {checkpoint_path!r} does not exist")
-      candidates = [checkpoint_path]
-    elif workdir is None or not os.path.isdir(workdir):
-      raise MissingFileError(f"workdir {workdir!r} does not exist; train first with "
-                             f"`python train.py --workdir {workdir}`")
-    else:
-      candidates = checkpoint.models(workdir)
-      if not candidates:
-        raise MissingFileError(f"workdir {workdir!r} has no checkpoint or export; was "
-                               "training interrupted before the first checkpoint?")
-    self.path, (model, self.params), _ = checkpoint.first_good(candidates, self._load)
+    self.path, (model, self.params) = checkpoint.load_newest(workdir, self._load,
+                                                             checkpoint_path)
     self.step, self.saved_config = model.step, upgrade(model.config)
     self.task = self._task(model)
     self.decode = DecodeOptions.from_dict(self.saved_config.get("decode"))

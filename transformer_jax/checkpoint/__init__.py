@@ -11,13 +11,13 @@ An export has params, config, tokenizer and manifest (with "averaged_steps"), so
 without the optimizer state and without the workdir. `manifest` checks a checkpoint against
 its manifest (structure before reading, fingerprints after); `manager` saves and resumes
 training checkpoints (plain pytrees: it knows nothing of the TrainState); `exports` writes
-exports, averages, and finds the models of a workdir for inference.
+exports, averages, and finds and loads the model of a workdir for inference.
 """
 
 from transformer_jax.checkpoint.exports import (CHECKPOINT_DIR, EXPORT_DIR, Model, best_step,
-                                                checkpoint_steps, export, first_good, models,
-                                                read_model, restore_params, select_steps,
-                                                write_export)
+                                                checkpoint_steps, export, first_good,
+                                                load_newest, models, read_model,
+                                                restore_params, select_steps, write_export)
 from transformer_jax.checkpoint.manager import (DAMAGED_DIR, CheckpointWriteError, Restored,
                                                 TrainCheckpoints, check_writable)
 from transformer_jax.checkpoint.manifest import (DamagedCheckpointError,
@@ -28,6 +28,6 @@ __all__ = [
     "CHECKPOINT_DIR", "CheckpointWriteError", "DAMAGED_DIR", "EXPORT_DIR",
     "DamagedCheckpointError", "IncompatibleCheckpointError", "Model", "Restored",
     "TrainCheckpoints", "best_step", "check_writable", "checkpoint_steps",
-    "config_differences", "describe", "export", "first_good", "models", "read_model",
-    "restore_params", "select_steps", "signature", "write_export",
+    "config_differences", "describe", "export", "first_good", "load_newest", "models",
+    "read_model", "restore_params", "select_steps", "signature", "write_export",
 ]

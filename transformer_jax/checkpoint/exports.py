@@ -4,12 +4,14 @@ An export (W/exports/<name>/) has the items params, config, tokenizer and manife
 "averaged_steps"): the parameters of one training checkpoint, or the mean of several (the
 paper's checkpoint averaging, §6.1), loadable without the optimizer state and without the
 workdir. `models` lists a workdir's checkpoints and exports best first; `first_good` takes
-the first that loads, skipping damaged ones with a warning.
+the first that loads, skipping damaged ones with a warning; `load_newest` is the two
+together, as predict, convert and `train.py --eval_only` choose their model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Sequence, TypeVar
 
 from absl import logging
@@ -23,6 +25,7 @@ from transformer_jax.checkpoint.manifest import (DamagedCheckpointError,
                                                  describe, describe_leaf, differing, read,
                                                  signature, verify, without_fingerprints)
 from transformer_jax.data.tokenizer import TextAssets, load_tokenizer_item
+from transformer_jax.errors import MissingFileError
 from transformer_jax.options import TrainOptions, upgrade
 
 CHECKPOINT_DIR, EXPORT_DIR = "checkpoints", "exports"
@@ -214,3 +217,25 @@ def models(workdir: str) -> list[str]:
   if checkpoints.is_dir():
     ranked += [(step, 0, str(checkpoints / str(step))) for step in checkpoint_steps(checkpoints)]
   return [path for *_, path in sorted(ranked, reverse=True)]
+
+
+def load_newest(workdir: str | None, load: Callable[[str], T],
+                path: str | None = None) -> tuple[str, T]:
+  """(path, load(path)) of the model that inference uses: `path` (a checkpoint or export
+  directory) when given, else the first of the workdir's `models` that loads (a damaged one
+  is skipped with a warning). A missing directory, or a workdir without a model, is a
+  MissingFileError naming it."""
+  if path is not None:
+    if not os.path.isdir(path):
+      raise MissingFileError(f"checkpoint {path!r} does not exist")
+    candidates = [path]
+  elif workdir is None or not os.path.isdir(workdir):
+    raise MissingFileError(f"workdir {workdir!r} does not exist; train first with "
+                           f"`python train.py --workdir {workdir}`")
+  else:
+    candidates = models(workdir)
+    if not candidates:
+      raise MissingFileError(f"workdir {workdir!r} has no checkpoint or export; was "
+                             "training interrupted before the first checkpoint?")
+  chosen, loaded, _ = first_good(candidates, load)
+  return chosen, loaded

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from transformer_jax.errors import UserError
+from transformer_jax.trees import flatten, named_leaves
 
 
 class IncompatibleCheckpointError(UserError):
@@ -47,21 +48,16 @@ def _leaf_fingerprint(x: jax.Array) -> jax.Array:
 _fingerprint = jax.jit(_leaf_fingerprint)
 
 
-def _paths(tree: Any) -> list[tuple[str, Any]]:
-  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return [(jax.tree_util.keystr(path, simple=True, separator="/"), leaf) for path, leaf in leaves]
-
-
 def signature(tree: Any) -> dict[str, dict[str, Any]]:
   """{leaf path: {"shape", "dtype"}} of a tree of arrays or ShapeDtypeStructs."""
   return {path: {"shape": list(leaf.shape), "dtype": str(jnp.dtype(leaf.dtype))}
-          for path, leaf in _paths(tree)}
+          for path, leaf in named_leaves(tree)}
 
 
 def describe(tree: Any) -> dict[str, dict[str, Any]]:
   """signature(tree) plus each leaf's fingerprint (this waits for the arrays)."""
   described = signature(tree)
-  paths = _paths(tree)
+  paths = named_leaves(tree)
   # One leaf at a time: several small collective programs in flight at once can deadlock
   # XLA:CPU's in-process all-reduce on a multi-device mesh.
   prints = [jax.device_get(_fingerprint(leaf)) for _, leaf in paths]
@@ -97,19 +93,9 @@ def verify(item: str, tree: Any, manifest: dict, where: str) -> None:
         f"({len(bad)} of {len(expected)} arrays differ)")
 
 
-def _flatten(config: dict, prefix: str = "") -> dict[str, Any]:
-  flat = {}
-  for key, value in config.items():
-    if isinstance(value, dict):
-      flat.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      flat[f"{prefix}{key}"] = value
-  return flat
-
-
 def config_differences(saved: dict, current: dict) -> list[str]:
   """'field: saved -> current' for each config field that differs."""
-  old, new = _flatten(saved), _flatten(current)
+  old, new = flatten(saved, "."), flatten(current, ".")
   return [f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}"
           for k in sorted(set(old) | set(new)) if old.get(k, "<absent>") != new.get(k, "<absent>")]
 

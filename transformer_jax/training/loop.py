@@ -24,7 +24,7 @@ from transformer_jax.preemption import PreemptionWatcher
 from transformer_jax.training.experiment import Experiment
 from transformer_jax.training.state import checkpoint_arrays, state_from_checkpoint
 from transformer_jax.training.workdir_lock import WorkdirLock
-from transformer_jax.errors import MissingFileError, UserError
+from transformer_jax.errors import UserError
 from transformer_jax.files import atomic_write_json
 
 CONFIG_FILE = "config.json"
@@ -306,9 +306,6 @@ def evaluate_saved(config: Any, workdir: str | None,
   or an export, e.g. an average), else the workdir's newest, as `predict` picks them."""
   experiment = Experiment.create(config, workdir)
   abstract, params_sharding = experiment.abstract_params()   # restored straight onto the mesh
-  candidates = [path] if path else checkpoint.models(workdir)
-  if not candidates:
-    raise MissingFileError(f"{workdir} has no checkpoint or export to evaluate")
 
   def load(candidate: str) -> tuple[checkpoint.Model, Any]:
     model = checkpoint.read_model(candidate)
@@ -318,7 +315,7 @@ def evaluate_saved(config: Any, workdir: str | None,
           f"{candidate} was trained with another tokenizer or labels than config.data builds")
     return model, checkpoint.restore_params(candidate, abstract)
 
-  chosen, (model, params), _ = checkpoint.first_good(candidates, load)
+  chosen, (model, params) = checkpoint.load_newest(workdir, load, path)
   evaluate = Evaluator(experiment,
                        experiment.eval_batches(experiment.options.data.eval_split,
                                                  experiment.eval.examples),

@@ -1,0 +1,103 @@
+"""Reading and writing for every format: JSON and tensor files, our own models in and out.
+
+`load_ours` reads the model an export converts (the one `predict` would use) and
+`save_params_snapshot` writes what an import produces: a parameter snapshot,
+W/exports/<name>/, in the format of `python -m transformer_jax.export`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from transformer_jax import checkpoint, params as param_utils
+from transformer_jax.config import TransformerConfig
+from transformer_jax.convert.tensors import ConvertError
+from transformer_jax.data.tokenizer import tokenizer_item
+from transformer_jax.options import TrainOptions, upgrade
+from transformer_jax.tasks import TranslationTask
+
+
+def read_json(path: str) -> dict:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise ConvertError(f"{path}: not valid JSON ({e})") from None
+
+
+def write_json(path: str, content: dict) -> None:
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(content, f, indent=2, ensure_ascii=False)
+
+
+def read_state_dict(path: str, allow_pickle: bool) -> dict[str, np.ndarray]:
+  """Tensors of a .safetensors file (numpy, no torch) or, with allow_pickle, of a torch
+  pickle read with `torch.load(weights_only=True)`; float32 numpy arrays."""
+  if path.endswith(".safetensors"):
+    from safetensors.numpy import load_file
+    tensors = load_file(path)
+  elif not allow_pickle:
+    raise ConvertError(f"{path} is a pickle; pass --allow_pickle to read it (with "
+                       "torch.load(weights_only=True)), or convert it to safetensors")
+  else:
+    import torch
+    loaded = torch.load(path, map_location="cpu", weights_only=True)
+    tensors = {k: v.float().numpy() for k, v in loaded.items()}
+  return {k: np.asarray(v, np.float32) for k, v in tensors.items()}
+
+
+def write_state_dict(path: str, state: dict[str, np.ndarray]) -> None:
+  """A .safetensors file, or else a torch.save pickle."""
+  if path.endswith(".safetensors"):
+    from safetensors.numpy import save_file
+    save_file(state, path)
+  else:
+    import torch
+    torch.save({k: torch.from_numpy(v) for k, v in state.items()}, path)
+
+
+@dataclasses.dataclass
+class OurModel:
+  """A translation model of this project, as the converters take it."""
+  path: str                 # the checkpoint or export it was read from
+  config: TransformerConfig  # scan_layers=False, fused_qkv=False
+  params: dict               # unrolled, separate-QKV numpy parameters
+  record: checkpoint.Model   # its run config and tokenizers
+
+
+def load_ours(workdir: str | None, checkpoint_path: str | None, purpose: str) -> OurModel:
+  """The model `predict` would use (--checkpoint, or the newest export or checkpoint of the
+  workdir) for `purpose` (e.g. "--to=hf_marian"); only translation models convert."""
+  path, (record, params) = checkpoint.load_newest(
+      workdir, lambda p: (checkpoint.read_model(p), checkpoint.restore_params(p)),
+      checkpoint_path)
+  task = TrainOptions.from_dict(upgrade(record.config)).task
+  if task != TranslationTask.name:
+    raise ConvertError(f"{path}: convert {purpose} converts translation models "
+                       f"(task={TranslationTask.name!r}) only; this is a task={task!r} model")
+  cfg = TransformerConfig.from_dict(record.config["model"])
+  params = jax.tree_util.tree_map(np.asarray, params)
+  if cfg.scan_layers:
+    params = param_utils.unstack_layers(params)
+  if cfg.fused_qkv:
+    params = param_utils.split_qkv(params)
+  return OurModel(path, cfg.replace(scan_layers=False, fused_qkv=False), params, record)
+
+
+def save_params_snapshot(path: str, params: dict, run_config: dict, tokenizer: Any,
+                         target_tokenizer: Any) -> str:
+  """A parameter snapshot at `path` (params, run config, tokenizers, manifest; step 0), as
+  `python -m transformer_jax.export` writes it and `predict`/`train.py --eval_only` and
+  `init_from` read it. Returns its absolute path."""
+  if os.path.exists(path):
+    raise ConvertError(f"{os.path.abspath(path)} already exists; remove it or use another "
+                       "--name")
+  params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), params)
+  return checkpoint.write_export(path, params, run_config,
+                                 tokenizer_item(tokenizer, target_tokenizer), steps=[0])
