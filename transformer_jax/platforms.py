@@ -8,7 +8,7 @@ import os
 
 
 def skip_missing_tpu() -> None:
-  """With libtpu installed (requirements-tpu.txt: compiling for TPUs here, see aot.py) on a
+  """With libtpu installed (requirements-tpu.txt: compiling for TPUs here, see transformer_jax/aot) on a
   machine without a TPU, JAX would first try to start a TPU backend, print libtpu's errors
   about the missing TPU environment, and fall back. Choose the CPU up front instead. Does
   nothing where JAX_PLATFORMS is set, on a TPU VM (/dev/accel*, /dev/vfio) or where the CUDA

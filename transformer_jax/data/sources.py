@@ -40,12 +40,18 @@ def check_data_config(task: Any, data: Any) -> None:
   check_tokenizer_choice(task, data.tokenizer)
 
 
-def training_width(data: Any) -> int:
-  """The width of the training batches the `data` group gives, in tokens: the least
-  model.max_len that can take them (evaluation batches are checked once built)."""
+def training_widths(data: Any) -> tuple[int, int]:
+  """(source, target) widths in tokens of the training batches the `data` group gives:
+  the synthetic task's own, or packed rows of data.max_length (data/pipeline.py)."""
   if data.source == "synthetic":
-    return max(SyntheticData.widths(data.synthetic_task, data.max_length))
-  return data.max_length
+    return SyntheticData.widths(data.synthetic_task, data.max_length)
+  return data.max_length, data.max_length
+
+
+def training_width(data: Any) -> int:
+  """The width of the training batches, in tokens: the least model.max_len that can take
+  them (evaluation batches are checked once built)."""
+  return max(training_widths(data))
 
 
 def make_source(task: Any, data: Any, seed: int, workdir: str | None = None,
