@@ -45,13 +45,16 @@ class Chip:
 
 # Published per-chip figures. NVIDIA: the datasheets "NVIDIA H100 Tensor Core GPU", "NVIDIA
 # H200 Tensor Core GPU", "NVIDIA A100 Tensor Core GPU" and "NVIDIA L4 Tensor Core GPU" (dense,
-# i.e. half of the "with sparsity" figures; SXM form factor where not named). TPU: the Cloud TPU system architecture
+# i.e. half of the "with sparsity" figures; SXM form factor where not named; HBM bandwidth
+# GB/s). A GPU's memory for aot is what the device reports, from its target description
+# (aot/gpu_specs/), not the datasheet's round figure. TPU: the Cloud TPU system architecture
 # pages (dense bf16 peak, HBM GiB, HBM bandwidth GB/s).
 CHIPS = (
     Chip("H100 PCIe", "cuda", 756.0, 378.0),
     Chip("H100 NVL", "cuda", 835.0, 418.0),
-    Chip("H100", "cuda", 989.4, 494.7),
-    Chip("H200", "cuda", 989.4, 494.7),
+    Chip("H100", "cuda", 989.4, 494.7, hbm_gb_per_s=3350.0, target="h100-sxm"),
+    Chip("H200", "cuda", 989.4, 494.7, hbm_gb_per_s=4800.0, target="h200"),
+    Chip("A100-SXM4-80GB", "cuda", 312.0, 156.0, hbm_gb_per_s=2039.0, target="a100-80gb"),
     Chip("A100", "cuda", 312.0, 156.0),
     Chip("L4", "cuda", 121.0, 60.0),
     Chip("TPU v4", "tpu", 275.0, 275.0, 32, 1228.0, target="v4"),

@@ -22,8 +22,11 @@ def _define_flags() -> None:
   config_flags.DEFINE_config_file(
       "config", None, "Config file, as for train.py; fields overridable as --config.a.b=V.",
       lock_config=True)
-  flags.DEFINE_string("topology", None, "TPU slice, GEN:SHAPE: v4:2x2x1, v5e:2x4, v5p:2x2x1, "
-                      "v5p:4x4x2, v6e:2x4, ...", required=True)
+  flags.DEFINE_string("topology", None, "What to compile for: a TPU slice GEN:SHAPE (v4:2x2x1, "
+                      "v5e:2x4, v5p:2x2x1, v5p:4x4x2, v6e:2x4, ...) or N GPUs KIND:N "
+                      "(h100-sxm:8, h200:8, a100-80gb:8; pip install -r requirements-gpu.txt).",
+                      required=True)
+  flags.DEFINE_alias("target", "topology")
   flags.DEFINE_bool("json", False, "Print one JSON object (progress lines go to stderr).")
   flags.DEFINE_string("programs", ",".join(programs.PROGRAMS),
                       "Comma-separated programs to compile.")
@@ -92,7 +95,7 @@ def _compile_programs(config: Any, topology: targets.Topology, mesh: Any,
   if FLAGS.json:
     print(json.dumps(summary, default=str))
   else:
-    print(report.format_report(f"{header}; batch {run.batch_size}", results))
+    print(report.format_report(f"{header}; batch {run.batch_size}", results, summary["note"]))
   unfit = [report.advice(name, r, run, mesh, topology) for name, r in results.items()
            if not r.fits]
   for line in unfit:
@@ -118,20 +121,26 @@ def main(argv: list[str]) -> int:
     raise targets.UsageError(f"--programs: unknown {unknown}; choose from {programs.PROGRAMS}")
   log = ((lambda s: print(s, file=sys.stderr, flush=True)) if FLAGS.json
          else (lambda s: print(s, flush=True)))
-  topology = targets.describe(FLAGS.topology)
+  topology = targets.describe(FLAGS.topology,
+                              "--target" if FLAGS["target"].present else "--topology")
   if FLAGS.hbm_gib:
     topology = targets.with_hbm(topology, FLAGS.hbm_gib)
   run = programs.run_settings(config)
   chips, chip = len(topology.devices), topology.chip
   mesh = sharding.make_mesh(run.mesh, topology.devices)
   model_cfg = programs.experiment_for(config, mesh).model_config
-  header = (f"{config_path} on {topology.name}: {chips} x {chip.device_kind} "
-            f"({chip.hbm_bytes / GiB:.0f} GiB HBM, {chip.peak_flops / 1e12:.0f} TFLOP/s dense "
-            f"bf16 peak per chip); vocab {model_cfg.tgt_vocab_size}; dtype {model_cfg.dtype}")
+  memory = (f"{chip.hbm_bytes / GiB:.1f} GiB usable: {topology.memory_note}"
+            if topology.memory_note and not FLAGS.hbm_gib else f"{chip.hbm_bytes / GiB:.0f} GiB HBM")
+  header = (f"{config_path} on {topology.name}: {chips} x {topology.devices[0].device_kind} "
+            f"({memory}, {chip.peak_flops / 1e12:.0f} TFLOP/s dense bf16 peak per chip); "
+            f"vocab {model_cfg.tgt_vocab_size}; dtype {model_cfg.dtype}")
   summary: dict[str, Any] = {"config": config_path, "topology": topology.name,
                              "chips": chips, "chip": chip.to_dict(),
-                             "vocab_size": model_cfg.tgt_vocab_size,
-                             "dtype": model_cfg.dtype, "note": report.ESTIMATE_NOTE}
+                             "vocab_size": model_cfg.tgt_vocab_size, "dtype": model_cfg.dtype,
+                             "note": (report.ESTIMATE_NOTE if chip.platform == "tpu"
+                                      else report.GPU_NOTE)}
+  if topology.memory_note:
+    summary["memory_note"] = topology.memory_note
   if FLAGS.sweep_layouts:
     return _sweep(config, topology, header, summary, log)
   header += f"; mesh {dict(mesh.shape)}"

@@ -20,6 +20,15 @@ from transformer_jax.aot.targets import Topology
 
 ESTIMATE_NOTE = ("estimated step time, tokens/s and MFU are XLA's TPU cost-model estimates "
                  "(compiled here, without a TPU), not measurements")
+GPU_NOTE = ("XLA's GPU compiler gives no cost analysis: no compiled FLOPs or bytes and no "
+            "estimated step time; the roofline is our lower bound from the vendor datasheet's "
+            "dense bf16 peak and HBM bandwidth (transformer_jax/accelerators.py), not a "
+            "measurement")
+TRITON_OFF_NOTE = ("compiled with cuBLAS matmuls (xla_gpu_enable_triton_gemm=false): XLA "
+                   "could not tile one for Triton without a GPU to autotune on")
+_TRITON_TILING = "Couldn't find output tile sizes"
+ROOFLINE_WITHOUT_COST = ("roofline from the model FLOPs at peak or the arguments and outputs "
+                         "at HBM bandwidth (no compiled FLOPs or bytes)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +93,18 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
   (`hlo_cost.op_breakdown`)."""
   start = time.perf_counter()
   hbm = topology.chip.hbm_bytes
+  lowered = program.fn.lower(*program.args)
+  notes: list[str] = []
   try:
-    compiled = program.fn.lower(*program.args).compile()
+    try:
+      compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+      # XLA's GPU compiler, with no GPU to autotune on, can fail to tile a small matmul for
+      # Triton; cuBLAS then does the matmuls (as XLA falls back to on a GPU).
+      if _TRITON_TILING not in str(e):
+        raise
+      compiled = lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": False})
+      notes.append(TRITON_OFF_NOTE)
   except jax.errors.JaxRuntimeError as e:
     oom = _OUT_OF_MEMORY.search(str(e))
     if not oom:
@@ -113,25 +132,35 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
   breakdown = (op_breakdown(compiled.as_text()) if seconds is not None or top_ops
                else NO_BREAKDOWN)
   loop_factor = breakdown.loop_factor if seconds is not None else None
-  note = None
   if loop_factor:
     # cost_analysis() counts a loop body once: a step that scans its layers
     # (model.scan_layers) or its micro-batches (grad_accum_steps) would be estimated at a
     # fraction of its time. XLA's per-instruction estimates, each loop body counted per
     # iteration, give the factor.
     seconds *= loop_factor
-    note = (f"XLA's step estimate is scaled by its per-instruction estimates "
-            f"(x{loop_factor:.2f}) to count each iteration of the step's loops (scan_layers, "
-            "grad_accum_steps); its FLOPs and bytes count each loop body once")
+    notes.append(f"XLA's step estimate is scaled by its per-instruction estimates "
+                 f"(x{loop_factor:.2f}) to count each iteration of the step's loops "
+                 "(scan_layers, grad_accum_steps); its FLOPs and bytes count each loop body "
+                 "once")
   elif program.name == "decode":
     # A while loop: XLA's cost analysis counts its body once (one decoding step, plus the
     # encoder and the cache set-up), so its FLOPs and time are not a whole decode.
-    note = "cost counts the decoding loop body once"
-  flops, bytes_accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    notes.append("cost counts the decoding loop body once")
   chip, chips = topology.chip, mesh.size
-  # Not XLA's estimate: the compiled program's FLOPs at peak or its bytes at HBM bandwidth,
-  # whichever takes longer; a lower bound on the step time that every generation gets.
-  roofline = max(flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth) or None
+  if cost:
+    flops, bytes_accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    # Not XLA's estimate: the compiled program's FLOPs at peak or its bytes at HBM bandwidth,
+    # whichever takes longer; a lower bound on the step time that every generation gets.
+    roofline = max(flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth) or None
+  else:
+    # No cost analysis (XLA's GPU compiler gives none): the bound from what must happen at
+    # least once per call, the model's FLOPs at peak, or reading the arguments and writing
+    # the outputs at HBM bandwidth.
+    flops = bytes_accessed = None
+    least_bytes = memory["argument_bytes"] + memory.get("output_bytes", 0)
+    roofline = max((program.model_flops or 0) / chips / chip.peak_flops,
+                   least_bytes / chip.hbm_bandwidth) or None
+    notes.append(ROOFLINE_WITHOUT_COST)
   mfu = lambda s: program.model_flops / (s * chips * chip.peak_flops)
   return CompileReport(
       compile_s=compile_s, **memory, hbm_bytes=hbm, fits=memory["total_bytes"] <= hbm,
@@ -143,7 +172,7 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
       estimated_mfu=mfu(seconds) if seconds and program.model_flops else None,
       roofline_step_s=roofline,
       roofline_mfu=mfu(roofline) if roofline and program.model_flops else None,
-      note=note,
+      note="; ".join(notes) or None,
       top_ops=([{"op": op, "share": cycles / breakdown.total_cycles}
                 for op, cycles in breakdown.ops[:top_ops]]
                if top_ops and breakdown.total_cycles else None))
@@ -184,8 +213,9 @@ _ROWS: list[tuple[str, Callable[[CompileReport], str]]] = [
 ]
 
 
-def format_report(header: str, results: dict[str, CompileReport]) -> str:
-  """A table, one column per program, then its notes."""
+def format_report(header: str, results: dict[str, CompileReport],
+                  note: str = ESTIMATE_NOTE) -> str:
+  """A table, one column per program, then its notes (`note`: how to read the estimates)."""
   names = list(results)
   rows = [(label, [show(results[n]) for n in names]) for label, show in _ROWS]
   width = max(len(label) for label, _ in rows)
@@ -198,10 +228,11 @@ def format_report(header: str, results: dict[str, CompileReport]) -> str:
       lines.append(f"{n}: the operations XLA's cost model estimates to take the most time "
                    "(share of its per-instruction estimates, all layers together)")
       lines += [f"  {100 * t['share']:5.1f}%  {t['op']}" for t in results[n].top_ops]
-  lines.append(f"note: {ESTIMATE_NOTE} ('-': XLA gave no estimate for this chip); roofline: "
+  lines.append(f"note: {note} ('-': XLA gave no estimate for this chip); roofline: "
                "the compiled FLOPs at peak or bytes at HBM bandwidth, whichever is slower "
-               "(our bound, not XLA's); model FLOPs: transformer_jax/flops.py; tokens: "
-               "source + target array tokens (padding included).")
+               "(our bound, not XLA's; another basis is named below); model FLOPs: "
+               "transformer_jax/flops.py; tokens: source + target array tokens (padding "
+               "included).")
   lines += [f"note: {n}: {results[n].note}" for n in names if results[n].note]
   return "\n".join(lines)
 
@@ -233,6 +264,7 @@ def advice(name: str, report: CompileReport, run: RunSettings, mesh: jax.shardin
     tips.append(f"a smaller evaluation batch (--config.eval.batch_size, now "
                 f"{run.eval_batch_size})")
   tips.append(f"more chips (a topology larger than {topology.name})")
+  memory = "usable memory" if topology.memory_note else "HBM"
   return (f"does not fit: {name} needs {report.total_bytes / GiB:.2f} GiB per chip, "
-          f"{over / GiB:.2f} GiB more than the {topology.chip.hbm_bytes / GiB:.0f} GiB HBM of a "
-          f"{topology.chip.device_kind} chip; would help: " + "; ".join(tips))
+          f"{over / GiB:.2f} GiB more than the {topology.chip.hbm_bytes / GiB:.0f} GiB {memory} "
+          f"of a {topology.devices[0].device_kind} chip; would help: " + "; ".join(tips))
