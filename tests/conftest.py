@@ -13,12 +13,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # here) without changing float semantics (no fast-math). They are read when the backend starts
 # (first computation), so setting them here, after `import jax`, is early enough. Only set for
 # JAX versions where the flags are known to exist: XLA aborts on an unknown flag.
-import jax  # noqa: E402  (importing does not start a backend)
-
-# No TPU backend where libtpu is installed only to compile for TPUs (tests/test_aot.py).
+# No TPU or CUDA backend where libtpu or the CUDA plugin is installed only to compile for
+# them (tests/test_aot.py, tests/test_aot_gpu.py); before importing jax, which loads the
+# CUDA plugin's libraries.
 from transformer_jax.platforms import skip_missing_tpu  # noqa: E402
 
 skip_missing_tpu()
+
+import jax  # noqa: E402  (importing does not start a backend)
 
 # Eight CPU devices for the sharding tests (tests/test_sharding.py); unsharded code still runs
 # on the first one. Must be set before the backend starts.

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                 "requirements-tpu.txt)")
 
 from configs import default  # noqa: E402
-from transformer_jax import aot, sharding  # noqa: E402
+from transformer_jax import sharding  # noqa: E402
+from transformer_jax.aot import plan, programs, report, targets  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One layer each way, d_model 32, 4 heads: the programs of train.py at a size that compiles
@@ -34,16 +35,15 @@ def tiny_config(batch_size: int = 64):
   return config
 
 
-def train_step(batch_size: int, topology: str, **mesh: int) -> dict:
+def train_step(batch_size: int, topology: str, **mesh: int) -> report.CompileReport:
   return _train_step(batch_size, topology, tuple(sorted(mesh.items())))
 
 
 @functools.lru_cache(maxsize=None)   # Compiles are the cost of these tests: one per case.
-def _train_step(batch_size: int, topology: str, mesh: tuple) -> dict:
-  topo = aot.tpu_topology(topology)
-  config = tiny_config(batch_size)
-  return aot.compile_train_step(config, topo, sharding.make_mesh(dict(mesh), topo.devices),
-                                aot.vocab_size_of(config))
+def _train_step(batch_size: int, topology: str, mesh: tuple) -> report.CompileReport:
+  topo = targets.tpu_topology(topology)
+  return plan.compile_train_step(tiny_config(batch_size), topo,
+                                 sharding.make_mesh(dict(mesh), topo.devices))
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -56,37 +56,37 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x2"])
 def test_compiles_under_data_fsdp_and_tensor_meshes(topology):
-  chips = len(aot.tpu_topology(topology).devices)
+  chips = len(targets.tpu_topology(topology).devices)
   results = {name: train_step(64, topology, **mesh) for name, mesh in
              [("data", dict(data=chips)), ("fsdp", dict(fsdp=chips)),
               ("tensor", dict(data=chips // 4, tensor=4))]}
   for r in results.values():
-    assert r["fits"] and 0 < r["total_bytes"] < r["hbm_bytes"]
-    assert r["compiled_flops_per_chip"] > 0 and r["estimated_step_s"] > 0
-    assert 0 < r["estimated_mfu"] < 1
+    assert r.fits and 0 < r.total_bytes < r.hbm_bytes
+    assert r.compiled_flops_per_chip > 0 and r.estimated_step_s > 0
+    assert 0 < r.estimated_mfu < 1
   # Sharding the state over fsdp or tensor leaves each chip less of it than replication.
-  assert results["fsdp"]["argument_bytes"] < results["data"]["argument_bytes"]
-  assert results["tensor"]["argument_bytes"] < results["data"]["argument_bytes"]
+  assert results["fsdp"].argument_bytes < results["data"].argument_bytes
+  assert results["tensor"].argument_bytes < results["data"].argument_bytes
 
 
 def test_reported_memory_grows_with_batch():
   small = train_step(64, "v5e:2x2", data=4)
   large = train_step(512, "v5e:2x2", data=4)
-  assert large["temp_bytes"] > small["temp_bytes"]
-  assert large["total_bytes"] > small["total_bytes"]
-  assert large["argument_bytes"] >= small["argument_bytes"]   # the batch is an argument too
+  assert large.temp_bytes > small.temp_bytes
+  assert large.total_bytes > small.total_bytes
+  assert large.argument_bytes >= small.argument_bytes   # the batch is an argument too
 
 
 def test_every_program_compiles_and_reports():
-  topo = aot.tpu_topology("v5e:2x2")
+  topo = targets.tpu_topology("v5e:2x2")
   config = tiny_config()
   mesh = sharding.make_mesh(dict(fsdp=4), topo.devices)
-  programs = aot.build_programs(config, mesh, aot.vocab_size_of(config))
-  assert [p.name for p in programs] == list(aot.PROGRAMS)
-  results = {p.name: aot.compile_program(p, topo, mesh) for p in programs[1:]}
+  built = programs.build_programs(config, mesh)
+  assert [p.name for p in built] == list(programs.PROGRAMS)
+  results = {p.name: report.compile_program(p, topo, mesh) for p in built[1:]}
   results["train_step"] = train_step(64, "v5e:2x2", fsdp=4)   # compiled above
-  assert all(r["fits"] and r["total_bytes"] > 0 for r in results.values())
-  text = aot.format_report("header", results)
+  assert all(r.fits and r.total_bytes > 0 for r in results.values())
+  text = report.format_report("header", results)
   assert "XLA cost model" in text and "not measurements" in text
 
 
@@ -99,6 +99,19 @@ def test_too_large_for_v5e_does_not_fit_and_says_why():
   assert lines[-1].startswith("does not fit: train_step needs")
   assert "GiB more than the 16 GiB" in lines[-1]
   assert "fsdp" in lines[-1] and "remat" in lines[-1] and "more chips" in lines[-1]
+
+
+def test_eval_and_decode_that_do_not_fit_say_why():
+  # Judged against 1 MiB per chip: the evaluation batch's logits and the beam search's
+  # cache of 4096 rows do not fit; each program gets its own line of advice.
+  proc = run_cli("--topology=v5e:2x2", "--programs=eval_step,decode", "--hbm_gib=0.001",
+                 "--config.eval.batch_size=4096")
+  assert proc.returncode == 1, proc.stderr
+  assert "Traceback" not in proc.stderr
+  lines = proc.stderr.strip().splitlines()[-2:]
+  for name, line in zip(("eval_step", "decode"), lines):
+    assert line.startswith(f"does not fit: {name} needs"), line
+    assert "--config.eval.batch_size, now 4096" in line and "more chips" in line
 
 
 def test_user_errors_exit_2_without_traceback():
@@ -117,36 +130,34 @@ def test_find_max_batch_fits_and_twice_does_not():
   # Judged against 32 MiB per chip instead of 16 GiB: the same search, at batches that
   # compile in seconds; stopped when the bracket is within the batch found (fits, and
   # twice it does not: what the test asserts, in few compiles).
-  topo = aot.with_hbm(aot.tpu_topology("v5e:2x2"), 32 / 1024)
+  topo = targets.with_hbm(targets.tpu_topology("v5e:2x2"), 32 / 1024)
   config = tiny_config()
   mesh = sharding.make_mesh(dict(data=4), topo.devices)
-  batch, results = aot.find_max_batch(config, topo, mesh, aot.vocab_size_of(config),
-                                      tolerance=1.0)
-  assert batch > 0 and batch % 4 == 0 and results[batch]["fits"]
-  assert results[batch]["total_bytes"] > 0.5 * topo.chip.hbm_bytes
-  twice = results.get(2 * batch) or aot.compile_train_step(
-      tiny_config(2 * batch), topo, mesh, aot.vocab_size_of(config))
-  assert not twice["fits"]
+  batch, results = plan.find_max_batch(config, topo, mesh, tolerance=1.0)
+  assert batch > 0 and batch % 4 == 0 and results[batch].fits
+  assert results[batch].total_bytes > 0.5 * topo.chip.hbm_bytes
+  twice = results.get(2 * batch) or plan.compile_train_step(tiny_config(2 * batch), topo, mesh)
+  assert not twice.fits
 
 
 def test_layouts_are_every_factorisation():
-  assert sorted(aot.layouts(4)) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1),
+  assert sorted(plan.layouts(4)) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1),
                                     (4, 1, 1)]
-  assert all(d * f * t == 32 for d, f, t in aot.layouts(32)) and len(aot.layouts(32)) == 21
+  assert all(d * f * t == 32 for d, f, t in plan.layouts(32)) and len(plan.layouts(32)) == 21
 
 
 @functools.lru_cache(maxsize=None)
-def _v5p_train_step(**fields) -> dict:
+def _v5p_train_step(**fields) -> report.CompileReport:
   """The tiny model's train step on v5p (the generation XLA's cost model estimates), with
   three layers a side so that a scan has something to loop over."""
-  topo = aot.tpu_topology("v5p:2x2x1")
+  topo = targets.tpu_topology("v5p:2x2x1")
   config = tiny_config(64)
   config.model.update(num_encoder_layers=3, num_decoder_layers=3,
                       scan_layers=fields.pop("scan_layers", False))
   config.update(fields)
   mesh = sharding.make_mesh(dict(data=4), topo.devices)
-  (program,) = aot.build_programs(config, mesh, aot.vocab_size_of(config), ("train_step",))
-  return aot.compile_program(program, topo, mesh, top_ops=8)
+  (program,) = programs.build_programs(config, mesh, ("train_step",))
+  return report.compile_program(program, topo, mesh, top_ops=8)
 
 
 def test_loops_in_the_step_are_counted_per_iteration():
@@ -154,21 +165,21 @@ def test_loops_in_the_step_are_counted_per_iteration():
   micro-batches would be estimated at a fraction of the same work unrolled. The report
   scales it by XLA's per-instruction estimates, which lands near the unrolled step."""
   plain = _v5p_train_step()
-  assert "note" not in plain
-  assert plain["estimated_step_s"] == plain["xla_optimal_seconds"]
+  assert plain.note is None
+  assert plain.estimated_step_s == plain.xla_optimal_seconds
   for variant in (_v5p_train_step(grad_accum_steps=4), _v5p_train_step(scan_layers=True)):
-    assert variant["xla_optimal_seconds"] < 0.8 * plain["estimated_step_s"]   # undercounted
-    assert 0.5 < variant["estimated_step_s"] / plain["estimated_step_s"] < 2.0
-    assert "count each iteration" in variant["note"]
+    assert variant.xla_optimal_seconds < 0.8 * plain.estimated_step_s   # undercounted
+    assert 0.5 < variant.estimated_step_s / plain.estimated_step_s < 2.0
+    assert "count each iteration" in variant.note
 
 
 def test_top_ops_rank_the_step_by_xlas_own_estimates():
-  top = _v5p_train_step()["top_ops"]
+  top = _v5p_train_step().top_ops
   shares = [t["share"] for t in top]
   assert len(top) == 8 and shares == sorted(shares, reverse=True)
   assert 0 < sum(shares) <= 1.0 + 1e-9
   # Layers are merged into one name per operation; the model's matmuls are among them.
   assert not any("layer_0" in t["op"] for t in top)
   assert any("layer_N" in t["op"] and "dot_general" in t["op"] for t in top)
-  text = aot.format_report("header", {"train_step": _v5p_train_step()})
+  text = report.format_report("header", {"train_step": _v5p_train_step()})
   assert "estimates to take the most time" in text and "layer_N" in text

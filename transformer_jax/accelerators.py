@@ -1,48 +1,79 @@
-"""What the project knows about accelerators: published peak rates and memory sizes, and
-XLA's static memory plan of a compiled program. Shared by `aot` and the benchmarks."""
+"""What the project knows about accelerators: one table of published peak rates and memory
+sizes, and XLA's static memory plan of a compiled program. Shared by `aot` and the
+benchmarks."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
-
-# Dense (no sparsity) peak TFLOP/s: (substring of the device kind, bfloat16, float32 as JAX
-# computes it by default). NVIDIA: float32 matmuls run on TF32 tensor cores at JAX's default
-# precision, so the TF32 peak is the relevant one. TPU: float32 matmuls use bfloat16 passes
-# by default. First match of the substring in the device kind wins (so "TPU v5 lite" before
-# "TPU v5").
-KNOWN_PEAKS = [
-    ("H100 PCIe", 756.0, 378.0), ("H100 NVL", 835.0, 418.0), ("H100", 989.4, 494.7),
-    ("H200", 989.4, 494.7), ("A100", 312.0, 156.0), ("L4", 121.0, 60.0),
-    ("TPU v4", 275.0, 275.0), ("TPU v5 lite", 197.0, 197.0), ("TPU v5", 459.0, 459.0),
-    ("TPU v6 lite", 918.0, 918.0),
-]
 
 GiB = 1024 ** 3
 
 
-class TpuChip:
-  """A Cloud TPU generation as `get_topology_desc` names it ("v5p" in "v5p:2x2x2")."""
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One accelerator kind. `device_kind` is a substring of what JAX reports for it (the
+  first row whose substring matches wins, so "TPU v5 lite" comes before "TPU v5"); `target`
+  is its name for `aot` ("v5p" in --topology=v5p:2x2x2), None where aot does not compile
+  for it. Peaks are dense (no sparsity): bfloat16, and float32 as JAX computes it by default
+  (NVIDIA: TF32 tensor cores; TPU: bfloat16 passes, so the bf16 peak)."""
+  device_kind: str
+  platform: str                       # JAX's platform name: "tpu", "cuda"
+  bf16_tflops: float
+  fp32_tflops: float
+  hbm_gib: float | None = None
+  hbm_gb_per_s: float | None = None
+  target: str | None = None
 
-  def __init__(self, name: str, device_kind: str, peak_tflops: float, hbm_gib: int,
-               hbm_gb_per_s: float):
-    self.name, self.device_kind = name, device_kind
-    self.peak_flops, self.hbm_bytes = peak_tflops * 1e12, hbm_gib * GiB
-    self.hbm_bandwidth = hbm_gb_per_s * 1e9
+  @property
+  def peak_flops(self) -> float:
+    return self.bf16_tflops * 1e12
+
+  @property
+  def hbm_bytes(self) -> int:
+    return int((self.hbm_gib or 0) * GiB)
+
+  @property
+  def hbm_bandwidth(self) -> float:
+    return (self.hbm_gb_per_s or 0) * 1e9
 
   def to_dict(self) -> dict[str, Any]:
-    return {"name": self.name, "device_kind": self.device_kind,
-            "peak_bf16_tflops": self.peak_flops / 1e12, "hbm_bytes": self.hbm_bytes,
+    return {"name": self.target, "device_kind": self.device_kind,
+            "peak_bf16_tflops": self.bf16_tflops, "hbm_bytes": self.hbm_bytes,
             "hbm_bandwidth_bytes_per_s": self.hbm_bandwidth}
 
 
-# Published per-chip figures (Cloud TPU system architecture pages): dense bf16 peak TFLOP/s,
-# HBM GiB, HBM bandwidth GB/s.
-TPU_CHIPS = {chip.name: chip for chip in (
-    TpuChip("v4", "TPU v4", 275.0, 32, 1228.0),
-    TpuChip("v5e", "TPU v5 lite", 197.0, 16, 819.0),
-    TpuChip("v5p", "TPU v5", 459.0, 95, 2765.0),
-    TpuChip("v6e", "TPU v6 lite", 918.0, 32, 1640.0),
-)}
+# Published per-chip figures. NVIDIA: the datasheets "NVIDIA H100 Tensor Core GPU", "NVIDIA
+# H200 Tensor Core GPU", "NVIDIA A100 Tensor Core GPU" and "NVIDIA L4 Tensor Core GPU" (dense,
+# i.e. half of the "with sparsity" figures; SXM form factor where not named; HBM bandwidth
+# GB/s). A GPU's memory for aot is what the device reports, from its target description
+# (aot/gpu_specs/), not the datasheet's round figure. TPU: the Cloud TPU system architecture
+# pages (dense bf16 peak, HBM GiB, HBM bandwidth GB/s).
+CHIPS = (
+    Chip("H100 PCIe", "cuda", 756.0, 378.0),
+    Chip("H100 NVL", "cuda", 835.0, 418.0),
+    Chip("H100", "cuda", 989.4, 494.7, hbm_gb_per_s=3350.0, target="h100-sxm"),
+    Chip("H200", "cuda", 989.4, 494.7, hbm_gb_per_s=4800.0, target="h200"),
+    Chip("A100-SXM4-80GB", "cuda", 312.0, 156.0, hbm_gb_per_s=2039.0, target="a100-80gb"),
+    Chip("A100", "cuda", 312.0, 156.0),
+    Chip("L4", "cuda", 121.0, 60.0),
+    Chip("TPU v4", "tpu", 275.0, 275.0, 32, 1228.0, target="v4"),
+    Chip("TPU v5 lite", "tpu", 197.0, 197.0, 16, 819.0, target="v5e"),
+    Chip("TPU v5", "tpu", 459.0, 459.0, 95, 2765.0, target="v5p"),
+    Chip("TPU v6 lite", "tpu", 918.0, 918.0, 32, 1640.0, target="v6e"),
+)
+
+# (substring of the device kind, bfloat16 TFLOP/s, float32 TFLOP/s), first match wins: the
+# benchmarks' view of CHIPS.
+KNOWN_PEAKS = [(c.device_kind, c.bf16_tflops, c.fp32_tflops) for c in CHIPS]
+
+# The chips aot compiles for, by target name.
+TARGET_CHIPS = {c.target: c for c in CHIPS if c.target}
+
+
+def chip_of(device_kind: str) -> Chip | None:
+  """The first row of CHIPS whose substring is in the device kind JAX reports."""
+  return next((c for c in CHIPS if c.device_kind in device_kind), None)
 
 
 def compiled_memory(compiled: Any) -> dict[str, int] | None:

@@ -113,7 +113,7 @@ def shardings_for(boxed_tree: Any, mesh: Mesh,
 def abstract_sharded(init_fn: Callable[[], Any], mesh: Mesh,
                      rules: tuple = LOGICAL_AXIS_RULES) -> tuple[Any, Any]:
   """What `create_sharded` would create, without allocating: `jax.ShapeDtypeStruct`s carrying
-  the shardings (for ahead-of-time compilation, see aot.py), and the shardings."""
+  the shardings (for ahead-of-time compilation, see transformer_jax/aot), and the shardings."""
   boxed = jax.eval_shape(init_fn)
   shardings = shardings_for(boxed, mesh, rules)
   shapes = jax.tree_util.tree_map(

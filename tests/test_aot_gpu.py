@@ -1,0 +1,83 @@
+"""Ahead-of-time compilation for NVIDIA GPUs (transformer_jax.aot --target=h100-sxm:8), on
+this CPU machine: XLA's CUDA compiler (requirements-gpu.txt) and the project's target
+descriptions (transformer_jax/aot/gpu_specs/). Compile-only, tiny model."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from transformer_jax import sharding
+from transformer_jax.aot import programs, report, targets
+
+needs_plugin = pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
+                                  reason="the CUDA plugin is not installed (pip install -r "
+                                  "requirements-gpu.txt)")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.lru_cache(maxsize=None)
+def _train_step(**mesh: int) -> report.CompileReport:
+  from tests.test_aot import tiny_config
+  topo = targets.describe("h100-sxm:8", "--target")
+  m = sharding.make_mesh(dict(mesh), topo.devices)
+  (program,) = programs.build_programs(tiny_config(64), m, ("train_step",))
+  return report.compile_program(program, topo, m)
+
+
+@needs_plugin
+def test_every_gpu_target_describes_its_devices():
+  for name, kind in [("h100-sxm:8", "H100"), ("h200:8", "H200"), ("a100-80gb:2", "A100")]:
+    topo = targets.describe(name, "--target")
+    assert len(topo.devices) == int(name.split(":")[1])
+    assert kind in topo.devices[0].device_kind and topo.chip.platform == "cuda"
+    # Judged against JAX's allocator's share of what the device reports, not the whole.
+    assert 0 < topo.chip.hbm_bytes < 150 * 1024 ** 3 and "75%" in topo.memory_note
+
+
+@needs_plugin
+def test_train_step_compiles_for_h100_under_data_and_fsdp():
+  data, fsdp = _train_step(data=8), _train_step(fsdp=8)
+  for r in (data, fsdp):
+    assert r.fits and 0 < r.total_bytes < r.hbm_bytes
+    # No XLA cost analysis for GPUs: no compiled FLOPs or estimate, our bound instead.
+    assert r.compiled_flops_per_chip is None and r.estimated_step_s is None
+    assert r.roofline_step_s > 0 and 0 < r.roofline_mfu <= 1 and "roofline" in r.note
+  assert fsdp.argument_bytes < data.argument_bytes
+
+
+def test_without_the_plugin_one_line_says_what_to_install(monkeypatch):
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "jax_cuda12_plugin" else real(name, *a))
+  with pytest.raises(targets.UsageError, match="pip install -r requirements-gpu.txt"):
+    targets.describe("h100-sxm:8", "--target")
+  with pytest.raises(targets.UsageError, match="h100-sxm"):
+    targets.describe("h100-sxm:0", "--target")
+
+
+@needs_plugin
+def test_cli_does_not_fit_on_gpu_says_why_and_cpu_runs_are_quiet():
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+  from tests.test_aot import TINY
+  proc = subprocess.run([sys.executable, "-m", "transformer_jax.aot",
+                         f"--config={ROOT}/configs/default.py", *TINY, "--target=h100-sxm:8",
+                         "--programs=train_step", "--hbm_gib=0.001",
+                         "--config.batch_size=4096"],
+                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+  assert proc.returncode == 1, proc.stderr
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("does not fit: train_step needs") and "NVIDIA H100" in last
+  assert "cuda" not in proc.stderr.lower().replace("nvidia", "")
+  assert "roofline" in proc.stdout and "datasheet" in proc.stdout
+  # A CPU-only run with the plugin installed prints nothing about CUDA or TPUs.
+  quiet = subprocess.run([sys.executable, "-c", "import transformer_jax, jax.numpy as jnp; "
+                          "jnp.ones(2).block_until_ready()"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+  assert quiet.returncode == 0 and quiet.stderr.strip() == "", quiet.stderr

@@ -1,0 +1,270 @@
+"""One program compiled for one topology, and what is reported of it per chip: XLA's
+memory plan against HBM, FLOPs and bytes, XLA's cost-model estimates, our roofline bound,
+and when it does not fit, by how much and what would help."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from typing import Any, Callable
+
+import jax
+
+from transformer_jax import sharding
+from transformer_jax.accelerators import GiB, compiled_memory
+from transformer_jax.aot.hlo_cost import NO_BREAKDOWN, op_breakdown
+from transformer_jax.aot.programs import Program, RunSettings
+from transformer_jax.aot.targets import Topology
+
+ESTIMATE_NOTE = ("estimated step time, tokens/s and MFU are XLA's TPU cost-model estimates "
+                 "(compiled here, without a TPU), not measurements")
+GPU_NOTE = ("XLA's GPU compiler gives no cost analysis: no compiled FLOPs or bytes and no "
+            "estimated step time; the roofline is our lower bound from the vendor datasheet's "
+            "dense bf16 peak and HBM bandwidth (transformer_jax/accelerators.py), not a "
+            "measurement")
+TRITON_OFF_NOTE = ("compiled with cuBLAS matmuls (xla_gpu_enable_triton_gemm=false): XLA "
+                   "could not tile one for Triton without a GPU to autotune on")
+_TRITON_TILING = "Couldn't find output tile sizes"
+ROOFLINE_WITHOUT_COST = ("roofline from the model FLOPs at peak or the arguments and outputs "
+                         "at HBM bandwidth (no compiled FLOPs or bytes)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+  """Per chip. Memory is XLA's static plan (donated buffers counted once); `estimated_*`
+  are XLA's cost-model estimates (None where it gives none); `roofline_*` our bound: the
+  compiled FLOPs at peak or its bytes at HBM bandwidth, whichever is slower."""
+  compile_s: float
+  argument_bytes: int
+  temp_bytes: int
+  total_bytes: int
+  hbm_bytes: int
+  fits: bool
+  margin_bytes: int                            # HBM - total: negative when it does not fit
+  model_flops: int | None                      # transformer_jax/flops.py, all chips
+  compiled_flops_per_chip: float | None
+  compiled_bytes_accessed_per_chip: float | None
+  xla_optimal_seconds: float | None            # as XLA gave it (negative: no estimate)
+  estimated_step_s: float | None = None
+  estimated_tokens_per_s_per_chip: float | None = None
+  estimated_mfu: float | None = None
+  roofline_step_s: float | None = None
+  roofline_mfu: float | None = None
+  # Absent (None) when the compiler refused the program for its size:
+  output_bytes: int | None = None
+  alias_bytes: int | None = None
+  generated_code_bytes: int | None = None
+  xla_error: str | None = None                 # the compiler's refusal
+  note: str | None = None                      # how to read this program's figures
+  top_ops: list[dict[str, Any]] | None = None  # {"op", "share"} of XLA's estimates
+
+  _OPTIONAL = ("output_bytes", "alias_bytes", "generated_code_bytes", "xla_error", "note",
+               "top_ops")
+
+  def to_dict(self) -> dict[str, Any]:
+    """The JSON form: the optional fields only where present."""
+    return {k: v for k, v in dataclasses.asdict(self).items()
+            if v is not None or k not in self._OPTIONAL}
+
+
+# The TPU compiler refuses a program whose buffers exceed HBM; its message gives the
+# temporaries it needed.
+_OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory.*?\(([\d.]+[KMGT]?)\)",
+                           re.DOTALL)
+
+
+def _parse_bytes(text: str) -> int:
+  scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}.get(text[-1], 1)
+  return int(float(text.rstrip("KMGT")) * scale)
+
+
+def _argument_bytes(args: Any) -> int:
+  """Bytes of one device's shards of abstract arguments (the largest shard of each)."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree_util.tree_leaves(args))
+
+
+def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mesh,
+                    top_ops: int = 0) -> CompileReport:
+  """Compiles `program` and reports per chip: memory, fits, FLOPs, bytes and XLA's
+  estimates; with `top_ops`, also the operations XLA estimates to take the most time
+  (`hlo_cost.op_breakdown`)."""
+  start = time.perf_counter()
+  hbm = topology.chip.hbm_bytes
+  lowered = program.fn.lower(*program.args)
+  notes: list[str] = []
+  try:
+    try:
+      compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+      # XLA's GPU compiler, with no GPU to autotune on, can fail to tile a small matmul for
+      # Triton; cuBLAS then does the matmuls (as XLA falls back to on a GPU).
+      if _TRITON_TILING not in str(e):
+        raise
+      compiled = lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": False})
+      notes.append(TRITON_OFF_NOTE)
+  except jax.errors.JaxRuntimeError as e:
+    oom = _OUT_OF_MEMORY.search(str(e))
+    if not oom:
+      raise
+    args = _argument_bytes(program.args)
+    total = args + _parse_bytes(oom.group(1))
+    return CompileReport(
+        compile_s=time.perf_counter() - start, argument_bytes=args, temp_bytes=total - args,
+        total_bytes=total, hbm_bytes=hbm, fits=False, margin_bytes=hbm - total,
+        model_flops=program.model_flops, compiled_flops_per_chip=None,
+        compiled_bytes_accessed_per_chip=None, xla_optimal_seconds=None,
+        xla_error=str(e).strip().splitlines()[0])
+  compile_s = time.perf_counter() - start
+  memory = compiled_memory(compiled) or {"argument_bytes": 0, "temp_bytes": 0,
+                                         "total_bytes": 0}
+  cost = compiled.cost_analysis() or {}
+  if isinstance(cost, (list, tuple)):      # Older JAX: one dict per executable.
+    cost = cost[0] if cost else {}
+  # libtpu 0.0.42 estimates only some generations (v5p here); elsewhere optimal_seconds
+  # comes back negative, which is no estimate: kept raw in the JSON, reported as none.
+  raw_seconds = cost.get("optimal_seconds")
+  seconds = float(raw_seconds) if raw_seconds and raw_seconds > 0 else None
+  # Parsing the optimized module (megabytes of text for the WMT14 models) is needed only to
+  # correct an estimate or to rank operations.
+  breakdown = (op_breakdown(compiled.as_text()) if seconds is not None or top_ops
+               else NO_BREAKDOWN)
+  loop_factor = breakdown.loop_factor if seconds is not None else None
+  if loop_factor:
+    # cost_analysis() counts a loop body once: a step that scans its layers
+    # (model.scan_layers) or its micro-batches (grad_accum_steps) would be estimated at a
+    # fraction of its time. XLA's per-instruction estimates, each loop body counted per
+    # iteration, give the factor.
+    seconds *= loop_factor
+    notes.append(f"XLA's step estimate is scaled by its per-instruction estimates "
+                 f"(x{loop_factor:.2f}) to count each iteration of the step's loops "
+                 "(scan_layers, grad_accum_steps); its FLOPs and bytes count each loop body "
+                 "once")
+  elif program.name == "decode":
+    # A while loop: XLA's cost analysis counts its body once (one decoding step, plus the
+    # encoder and the cache set-up), so its FLOPs and time are not a whole decode.
+    notes.append("cost counts the decoding loop body once")
+  chip, chips = topology.chip, mesh.size
+  if cost:
+    flops, bytes_accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    # Not XLA's estimate: the compiled program's FLOPs at peak or its bytes at HBM bandwidth,
+    # whichever takes longer; a lower bound on the step time that every generation gets.
+    roofline = max(flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth) or None
+  else:
+    # No cost analysis (XLA's GPU compiler gives none): the bound from what must happen at
+    # least once per call, the model's FLOPs at peak, or reading the arguments and writing
+    # the outputs at HBM bandwidth.
+    flops = bytes_accessed = None
+    least_bytes = memory["argument_bytes"] + memory.get("output_bytes", 0)
+    roofline = max((program.model_flops or 0) / chips / chip.peak_flops,
+                   least_bytes / chip.hbm_bandwidth) or None
+    notes.append(ROOFLINE_WITHOUT_COST)
+  mfu = lambda s: program.model_flops / (s * chips * chip.peak_flops)
+  return CompileReport(
+      compile_s=compile_s, **memory, hbm_bytes=hbm, fits=memory["total_bytes"] <= hbm,
+      margin_bytes=hbm - memory["total_bytes"], model_flops=program.model_flops,
+      compiled_flops_per_chip=flops, compiled_bytes_accessed_per_chip=bytes_accessed,
+      xla_optimal_seconds=raw_seconds, estimated_step_s=seconds,
+      estimated_tokens_per_s_per_chip=(program.tokens / seconds / chips
+                                       if seconds and program.tokens else None),
+      estimated_mfu=mfu(seconds) if seconds and program.model_flops else None,
+      roofline_step_s=roofline,
+      roofline_mfu=mfu(roofline) if roofline and program.model_flops else None,
+      note="; ".join(notes) or None,
+      top_ops=([{"op": op, "share": cycles / breakdown.total_cycles}
+                for op, cycles in breakdown.ops[:top_ops]]
+               if top_ops and breakdown.total_cycles else None))
+
+
+def _gib(n: float | None) -> str:
+  return "-" if n is None else f"{n / GiB:.2f}"
+
+
+def _or_dash(value: float | None, fmt: Callable[[float], str]) -> str:
+  return "-" if value is None else fmt(value)
+
+
+# (row label, how a report's value is shown) in the order of the table.
+_ROWS: list[tuple[str, Callable[[CompileReport], str]]] = [
+    ("compile time (s)", lambda r: f"{r.compile_s:.1f}"),
+    ("arguments (GiB/chip)", lambda r: _gib(r.argument_bytes)),
+    ("outputs (GiB/chip)", lambda r: _gib(r.output_bytes)),
+    ("donated, counted once (GiB/chip)", lambda r: _gib(r.alias_bytes)),
+    ("temporaries (GiB/chip)", lambda r: _gib(r.temp_bytes)),
+    ("generated code (GiB/chip)", lambda r: _gib(r.generated_code_bytes)),
+    ("total (GiB/chip)", lambda r: _gib(r.total_bytes)),
+    ("HBM (GiB/chip)", lambda r: _gib(r.hbm_bytes)),
+    ("fits", lambda r: ("yes" if r.fits else "NO") + f" ({r.margin_bytes / GiB:+.2f} GiB)"),
+    ("model FLOPs/step (TFLOP, all chips)",
+     lambda r: _or_dash(r.model_flops, lambda v: f"{v / 1e12:.2f}")),
+    ("compiled FLOPs (TFLOP/chip)",
+     lambda r: _or_dash(r.compiled_flops_per_chip, lambda v: f"{v / 1e12:.3f}")),
+    ("compiled bytes accessed (GiB/chip)", lambda r: _gib(r.compiled_bytes_accessed_per_chip)),
+    ("est. step time (ms) [XLA cost model]",
+     lambda r: _or_dash(r.estimated_step_s, lambda v: f"{1e3 * v:.2f}")),
+    ("est. tokens/s/chip [XLA cost model]",
+     lambda r: _or_dash(r.estimated_tokens_per_s_per_chip, lambda v: f"{v:,.0f}")),
+    ("est. MFU [XLA cost model]", lambda r: _or_dash(r.estimated_mfu, lambda v: f"{100 * v:.1f}%")),
+    ("roofline step time (ms) [lower bound]",
+     lambda r: _or_dash(r.roofline_step_s, lambda v: f"{1e3 * v:.2f}")),
+    ("roofline MFU [upper bound]", lambda r: _or_dash(r.roofline_mfu, lambda v: f"{100 * v:.1f}%")),
+]
+
+
+def format_report(header: str, results: dict[str, CompileReport],
+                  note: str = ESTIMATE_NOTE) -> str:
+  """A table, one column per program, then its notes (`note`: how to read the estimates)."""
+  names = list(results)
+  rows = [(label, [show(results[n]) for n in names]) for label, show in _ROWS]
+  width = max(len(label) for label, _ in rows)
+  cols = [max(len(n), *(len(v[i]) for _, v in rows)) for i, n in enumerate(names)]
+  lines = [header, f"{'':<{width}}  " + "  ".join(f"{n:>{c}}" for n, c in zip(names, cols))]
+  lines += [f"{label:<{width}}  " + "  ".join(f"{v:>{c}}" for v, c in zip(values, cols))
+            for label, values in rows]
+  for n in names:
+    if results[n].top_ops:
+      lines.append(f"{n}: the operations XLA's cost model estimates to take the most time "
+                   "(share of its per-instruction estimates, all layers together)")
+      lines += [f"  {100 * t['share']:5.1f}%  {t['op']}" for t in results[n].top_ops]
+  lines.append(f"note: {note} ('-': XLA gave no estimate for this chip); roofline: "
+               "the compiled FLOPs at peak or bytes at HBM bandwidth, whichever is slower "
+               "(our bound, not XLA's; another basis is named below); model FLOPs: "
+               "transformer_jax/flops.py; tokens: source + target array tokens (padding "
+               "included).")
+  lines += [f"note: {n}: {results[n].note}" for n in names if results[n].note]
+  return "\n".join(lines)
+
+
+def advice(name: str, report: CompileReport, run: RunSettings, mesh: jax.sharding.Mesh,
+           topology: Topology) -> str:
+  """One line: by how much `name` does not fit, and what would make it fit."""
+  over = -report.margin_bytes
+  state, temp = report.argument_bytes, report.temp_bytes
+  tips = []
+  if name == "train_step":
+    replicas = mesh.shape["data"]
+    if replicas > 1:   # State is replicated over `data`; fsdp splits it over those chips too.
+      saved = state * (1 - 1 / replicas)
+      enough = " (enough)" if saved >= over else ""
+      tips.append(f"fsdp (--config.mesh.data=1 --config.mesh.fsdp={replicas * mesh.shape['fsdp']}"
+                  f" splits the {state / GiB:.1f} GiB/chip of state and batch {replicas} more "
+                  f"ways, saving up to {saved / GiB:.1f} GiB{enough})")
+    if run.remat_policy == "none" and temp > 0:
+      tips.append("remat (--config.model.remat_policy=full recomputes activations instead of "
+                  f"keeping them: most of the {temp / GiB:.1f} GiB of temporaries)")
+    accum = run.grad_accum_steps * 2
+    if run.batch_size % accum == 0 and (run.batch_size // accum) % sharding.batch_ways(mesh) == 0:
+      tips.append(f"a smaller batch per step (--config.grad_accum_steps={accum} keeps the batch "
+                  "in half-size micro-batches, or lower --config.batch_size)")
+    else:
+      tips.append("a smaller --config.batch_size")
+  else:
+    tips.append(f"a smaller evaluation batch (--config.eval.batch_size, now "
+                f"{run.eval_batch_size})")
+  tips.append(f"more chips (a topology larger than {topology.name})")
+  memory = "usable memory" if topology.memory_note else "HBM"
+  return (f"does not fit: {name} needs {report.total_bytes / GiB:.2f} GiB per chip, "
+          f"{over / GiB:.2f} GiB more than the {topology.chip.hbm_bytes / GiB:.0f} GiB {memory} "
+          f"of a {topology.devices[0].device_kind} chip; would help: " + "; ".join(tips))
