@@ -1,5 +1,5 @@
 """One config over several seeds: each seed's final metrics and wall time, and the mean and
-standard deviation of each metric (the README's Results figures).
+standard deviation of each metric (the headline figures of benchmarks/RESULTS.md).
 
   python -m benchmarks.seeds --config=configs/conll2003.py --workdir=workdirs/conll2003 \
       [--seeds=0,1,2] [--metrics=eval/f1,eval/precision,eval/recall] [--json] \

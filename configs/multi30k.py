@@ -18,7 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.task = "seq2seq"
   # ~11 epochs of packed batches: 35 min alone on the 2-core CPU (about 1 s a step);
-  # test BLEU 39.28 +/- 0.58 over seeds 0-2 (README, Results).
+  # test BLEU 39.28 +/- 0.58 over seeds 0-2 (benchmarks/RESULTS.md).
   config.num_train_steps = 1900
   config.log_every_steps = 100
   config.eval_every_steps = 1900      # val loss + beam-search BLEU once, at the end
