@@ -30,10 +30,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = "<!-- runnable -->"
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
                                for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
-# Pages that other branches add and the README already links. The lead removes this list
-# at merge; test_pending_pages_are_still_missing fails as soon as the pages exist, so it
-# cannot outlive the merge.
-PENDING_PAGES = {"docs/gpu.md", "docs/pretrained_models.md", "docs/serving.md"}
 BLOCK_TIMEOUT = 300
 
 
@@ -157,17 +153,9 @@ def relative_links(page: str) -> list[tuple[str, str | None]]:
 @pytest.mark.parametrize("page", PAGES)
 def test_relative_links_point_to_existing_files_and_headings(page):
   for path, anchor in relative_links(page):
-    if path in PENDING_PAGES and not os.path.exists(os.path.join(ROOT, path)):
-      continue
     assert os.path.exists(os.path.join(ROOT, path)), f"{page}: link to missing {path}"
     if anchor and path.endswith(".md"):
       assert anchor in heading_anchors(_read(path)), f"{page}: no heading #{anchor} in {path}"
-
-
-def test_pending_pages_are_still_missing():
-  """Remove PENDING_PAGES at merge, when the pages arrive."""
-  arrived = sorted(p for p in PENDING_PAGES if os.path.exists(os.path.join(ROOT, p)))
-  assert not arrived, f"{arrived} exist now: remove them from PENDING_PAGES"
 
 
 def test_anchors_follow_githubs_rules():
