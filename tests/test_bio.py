@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 

@@ -4,11 +4,7 @@ processes under jax.distributed train like one."""
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -185,7 +181,6 @@ def test_parameters_and_optimizer_state_are_sharded_as_the_rules_say():
 def test_indivisible_dimensions_are_replicated_not_refused():
   cfg = tiny_config(num_heads=2)                        # 2 heads cannot split 4 ways
   task = TranslationTask(cfg)
-  batch = _batch()
   init = lambda: new_train_state(task.init_params(jax.random.PRNGKey(0)), OPTIMIZER, 0)
   state, _ = sharding.create_sharded(init, sharding.make_mesh(dict(data=2, tensor=4)))
   assert _spec(state, "['query']['kernel']") == jax.sharding.PartitionSpec("fsdp", None, None)

@@ -31,7 +31,6 @@ from data_wrappers import BatchesWrapper, SourceWrapper
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig
 from transformer_jax.data.synthetic import SyntheticData
 from transformer_jax.metrics import corpus_bleu, exact_match
-from transformer_jax.modules.models import Transformer
 from transformer_jax.predict import Predictor
 from transformer_jax.training import experiment, loop
 from transformer_jax.tasks.losses import (cross_entropy_sums, smoothed_targets,

@@ -12,7 +12,7 @@ vocabulary sizes come from the data.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, ClassVar, Mapping, Sequence, TypeVar
 
 from transformer_jax.errors import UserError
 
@@ -268,8 +268,9 @@ class RunOptions:
   distributed: DistributedOptions
   as_given: Mapping[str, Any]
 
-  GROUPS = {"data": DataOptions, "optimizer": OptimizerOptions, "decode": DecodeOptions,
-            "eval": EvalOptions, "mesh": MeshOptions, "distributed": DistributedOptions}
+  GROUPS: ClassVar[dict[str, type[_Options]]] = {
+      "data": DataOptions, "optimizer": OptimizerOptions, "decode": DecodeOptions,
+      "eval": EvalOptions, "mesh": MeshOptions, "distributed": DistributedOptions}
 
   @classmethod
   def from_config(cls, config: Any) -> "RunOptions":
@@ -294,7 +295,7 @@ def _check_known_fields(given: Mapping[str, Any]) -> None:
   top = {f.name for f in dataclasses.fields(TrainOptions)} | set(RunOptions.GROUPS) | {"model"}
   unknown = [f"config.{k}" for k in given if k not in top]
   for name, group in RunOptions.GROUPS.items():
-    fields = {f.name for f in dataclasses.fields(group)}
+    fields = {f.name for f in dataclasses.fields(group)}  # type: ignore[arg-type]
     unknown += [f"config.{name}.{k}" for k in dict(given.get(name) or {}) if k not in fields]
   if unknown:
     raise UserError(f"unknown config field(s) {', '.join(unknown)}: not options of this "

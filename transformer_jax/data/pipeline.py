@@ -19,7 +19,7 @@ inside an example. Packed rows restart positions at 0 in each sequence; segment 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import grain
 import numpy as np
