@@ -18,6 +18,7 @@ from transformer_jax.convert import marian
 from transformer_jax.convert.files import (OurModel, read_json, read_state_dict, write_json)
 from transformer_jax.convert.tensors import ConvertError
 from transformer_jax.data.tokenizer import MarianSentencePiece
+from transformer_jax.options import DecodeOptions, upgrade
 
 Imported = tuple[TransformerConfig, dict, dict, Any, Any]
 
@@ -94,7 +95,7 @@ def write_hf_marian(model: OurModel, output: str) -> str:
   os.makedirs(output, exist_ok=True)
   state, pad_row = marian.params_to_state(model.params, cfg)
   save_file(state, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
-  beam_size = int(model.record.config.get("decode", {}).get("beam_size", 4))
+  beam_size = DecodeOptions.from_dict(upgrade(model.record.config).get("decode")).beam_size
   files = {"config.json": marian.hf_config(cfg, pad_row),
            "generation_config.json": marian.generation_config(cfg, beam_size),
            "vocab.json": marian.vocab(tokenizer, marian.opus_mt_order(cfg)),
