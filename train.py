@@ -30,10 +30,10 @@ _WORKDIR = flags.DEFINE_string(
     "defaults to workdirs/<config name>. An existing workdir is resumed from its newest "
     "good checkpoint. SIGTERM/SIGINT stop after the current step with a checkpoint.")
 _EVAL_ONLY = flags.DEFINE_bool(
-    "eval_only", False, "Do not train: evaluate the workdir's newest export or checkpoint "
+    "eval_only", False, "Do not train: evaluate the workdir's newest parameter snapshot or checkpoint "
     "(or --checkpoint) with the config's evaluation.")
 _CHECKPOINT = flags.DEFINE_string(
-    "checkpoint", None, "With --eval_only: an export (W/exports/NAME, e.g. an average) or "
+    "checkpoint", None, "With --eval_only: a parameter snapshot (W/exports/NAME, e.g. an average) or "
     "checkpoint (W/checkpoints/STEP) directory to evaluate.")
 
 

@@ -352,7 +352,7 @@ def test_export_refuses_bad_input(case, trained, tmp_path, capsys, monkeypatch):
 def test_eval_only_without_a_checkpoint(tmp_path, capsys):
   status, lines = run_user_error(
       lambda: loop.evaluate_saved(tiny_run_config(), str(tmp_path / "w")), capsys)
-  assert status == 2 and len(lines) == 1 and "no checkpoint or export" in lines[0]
+  assert status == 2 and len(lines) == 1 and "no checkpoint or snapshot" in lines[0]
 
 
 # ------------------------------------------------------------------------ never lose a step
@@ -460,8 +460,8 @@ def test_a_checkpoint_write_failure_ends_the_run_with_one_line(tmp_path):
   assert "read-only file system" in errors_[0]
   assert "Traceback" not in process.stderr and "\r" not in process.stderr
   assert "2" in os.listdir(os.path.join(workdir, "checkpoints"))
-  from transformer_jax.checkpoint import read_model
-  assert read_model(os.path.join(workdir, "checkpoints", "2")).step == 2
+  from transformer_jax.checkpoint import read_record
+  assert read_record(os.path.join(workdir, "checkpoints", "2")).step == 2
 
 
 @pytest.fixture
@@ -493,9 +493,9 @@ def test_a_full_disk_during_a_save_ends_the_run_with_one_line(small_disk):
   assert "Traceback" not in process.stderr and "Event loop is closed" not in process.stderr
   steps = [int(name) for name in os.listdir(os.path.join(workdir, "checkpoints"))
            if name.isdigit()]
-  from transformer_jax.checkpoint import read_model
+  from transformer_jax.checkpoint import read_record
   assert steps and max(steps) < 6, steps          # the run had 6 steps; the last save failed
-  assert read_model(os.path.join(workdir, "checkpoints", str(max(steps)))).step == max(steps)
+  assert read_record(os.path.join(workdir, "checkpoints", str(max(steps)))).step == max(steps)
 
 
 def test_a_learning_rate_that_makes_the_loss_nan_is_a_user_error(tmp_path):

@@ -243,21 +243,21 @@ def test_average_of_two_checkpoints_is_their_mean(tmp_path):
   workdir = tmp_path / "run"
   directory = workdir / checkpoint.CHECKPOINT_DIR
   states = _save(directory, [1, 2])
-  out = workdir / checkpoint.EXPORT_DIR / "avg"
-  checkpoint.export(str(directory), [2, 1], str(out))
+  out = workdir / checkpoint.SNAPSHOT_DIR / "avg"
+  checkpoint.write_average(str(directory), [2, 1], str(out))
   averaged = checkpoint.restore_params(str(out))
   expected = jax.tree_util.tree_map(lambda a, b: (np.asarray(a) + np.asarray(b)) / 2,
                                     states[1].params, states[2].params)
   _assert_bitwise_equal(averaged, expected)
-  model = checkpoint.read_model(str(out))
+  model = checkpoint.read_record(str(out))
   assert (model.step, model.averaged_steps, model.config) == (2, [1, 2], RUN_CONFIG)
   assert model.assets.tokenizer.symbols == make_vocab().symbols
   # Exporting one checkpoint copies its parameters; an export never overwrites.
-  single = workdir / checkpoint.EXPORT_DIR / "single"
-  checkpoint.export(str(directory), [1], str(single))
+  single = workdir / checkpoint.SNAPSHOT_DIR / "single"
+  checkpoint.write_average(str(directory), [1], str(single))
   _assert_bitwise_equal(checkpoint.restore_params(str(single)), states[1].params)
   with pytest.raises(FileExistsError):
-    checkpoint.export(str(directory), [1], str(single))
+    checkpoint.write_average(str(directory), [1], str(single))
   # predict's order: newest step first, an export before the checkpoint of its step.
   assert checkpoint.models(str(workdir)) == [str(out), str(directory / "2"), str(single),
                                              str(directory / "1")]

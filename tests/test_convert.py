@@ -21,7 +21,7 @@ import jax  # noqa: E402
 
 from transformer_jax import convert, decoding, trees  # noqa: E402
 from transformer_jax.convert import marian  # noqa: E402
-from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig  # noqa: E402
+from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig  # noqa: E402
 from transformer_jax.data.tokenizer import SentencePieceTokenizer  # noqa: E402
 from transformer_jax.modules.models import Transformer  # noqa: E402
 from transformer_jax.predict import Predictor  # noqa: E402
@@ -218,24 +218,12 @@ def test_marian_import_then_export_gives_back_the_original(marian_dir, tmp_path)
   assert np.abs(logits[0] - logits[1]).max() < 1e-4
 
 
-def test_ctranslate2_converts_the_export_and_translates_as_we_do(marian_dir, tmp_path):
-  """ctranslate2's TransformersConverter (ct2-transformers-converter) reads our export, and
-  its greedy translations of 50 Multi30k lines equal ours token for token. CTranslate2 starts
-  Marian's decoder from a zero vector, as Marian itself does; OPUS-MT models (whose pad row,
-  our BOS row, is zero) translate the same, so the fixture's pad row is zeroed here."""
+def _ctranslate2_agreement(out: str, ct2_dir: str, cfg, params) -> list[bool]:
+  """Per line of 50 Multi30k sources: do CTranslate2 (converting the export `out`) and our
+  greedy decoding of (cfg, params) give the same pieces?"""
   ctranslate2 = pytest.importorskip("ctranslate2")
-  from safetensors.numpy import load_file, save_file
-  opus = _broken_copy(marian_dir, tmp_path, "opus")
-  weights = os.path.join(opus, "model.safetensors")
-  state = load_file(weights)
-  state["model.shared.weight"][-1] = 0.0
-  save_file(state, weights, metadata={"format": "pt"})
-  workdir, out, ct2_dir = (str(tmp_path / name) for name in ("w", "hf", "ct2"))
-  convert.run(from_="hf_marian", input=opus, workdir=workdir)
-  convert.run(to="hf_marian", workdir=workdir, output=out)
   ctranslate2.converters.TransformersConverter(out).convert(ct2_dir)
-
-  cfg, params, _, source, target = convert.import_marian(out)
+  _, _, _, source, target = convert.import_marian(out)      # the export's tokenizers
   lines, length = _lines("val.de.gz", 50), 24
   encoded = [source.encode(line) for line in lines]
   src = np.full((len(lines), max(map(len, encoded))), PAD_ID, np.int32)
@@ -245,10 +233,48 @@ def test_ctranslate2_converts_the_export_and_translates_as_we_do(marian_dir, tmp
   translator = ctranslate2.Translator(ct2_dir, device="cpu", inter_threads=1, intra_threads=1)
   results = translator.translate_batch([[source.pieces[i] for i in ids] for ids in encoded],
                                        beam_size=1, max_decoding_length=length)
+  agree = []
   for row, result in zip(np.asarray(ours).tolist(), results):
     if EOS_ID in row:
       row = row[:row.index(EOS_ID)]
-    assert [target.pieces[i] for i in row] == result.hypotheses[0]
+    agree.append([target.pieces[i] for i in row] == result.hypotheses[0])
+  return agree
+
+
+def test_ctranslate2_converts_the_export_and_translates_as_we_do(marian_dir, tmp_path):
+  """ctranslate2's TransformersConverter (ct2-transformers-converter) reads our export, and
+  its greedy translations of 50 Multi30k lines equal ours token for token. CTranslate2 starts
+  Marian's decoder from a zero vector, as Marian itself does; an OPUS-MT model's pad row (our
+  BOS row) is zero, and its import keeps it so (zero_decoder_start)."""
+  pytest.importorskip("ctranslate2")
+  from safetensors.numpy import load_file, save_file
+  opus = _broken_copy(marian_dir, tmp_path, "opus")
+  weights = os.path.join(opus, "model.safetensors")
+  state = load_file(weights)
+  state["model.shared.weight"][-1] = 0.0
+  save_file(state, weights, metadata={"format": "pt"})
+  workdir, out = str(tmp_path / "w"), str(tmp_path / "hf")
+  convert.run(from_="hf_marian", input=opus, workdir=workdir)
+  convert.run(to="hf_marian", workdir=workdir, output=out)
+  cfg, params, _, _, _ = convert.import_marian(out)
+  assert cfg.zero_decoder_start
+  assert all(_ctranslate2_agreement(out, str(tmp_path / "ct2"), cfg, params))
+
+
+@pytest.mark.parametrize("zero_start", [True, False])
+def test_ctranslate2_translates_a_model_of_ours_when_its_decoder_starts_from_zeros(
+    tmp_path, zero_start):
+  """A model of this project whose BOS row is not zero (trained or, here, random): with
+  model.zero_decoder_start its export translates in CTranslate2 as it does here; without,
+  CTranslate2 (starting from zeros) disagrees on some lines (the control)."""
+  pytest.importorskip("ctranslate2")
+  workdir, cfg, params, _ = _our_model(tmp_path, zero_decoder_start=zero_start)
+  assert np.any(params["shared_embedding"]["embedding"][BOS_ID])
+  out = str(tmp_path / "hf")
+  note = convert.run(to="hf_marian", workdir=workdir, output=out)
+  assert ("zero_decoder_start=True" in note) != zero_start
+  agree = _ctranslate2_agreement(out, str(tmp_path / "ct2"), cfg, params)
+  assert all(agree) if zero_start else not all(agree)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -70,7 +70,7 @@ def test_cli_export_of_a_classification_run_is_one_line_naming_the_task(tmp_path
   params = jax.tree_util.tree_map(np.asarray, nn.meta.unbox(
       task.init_params(jax.random.PRNGKey(0))))
   workdir = tmp_path / "sst"
-  checkpoint.write_export(str(workdir / "exports" / "step_0"), params, run_config,
+  checkpoint.write_snapshot(str(workdir / "exports" / "step_0"), params, run_config,
                           tokenizer_item(tokenizer, None, labels), [0])
   for fmt, output in (("hf_marian", tmp_path / "hf"), ("torch", tmp_path / "m.safetensors")):
     result = _cli(f"--to={fmt}", f"--workdir={workdir}", f"--output={output}")

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import (VOCAB, assert_close, pad_to, random_tokens, tiny_config,
                       transformer_apply, transformer_variables)
+from transformer_jax.config import BOS_ID
 from transformer_jax import (EncoderClassifier, TokenClassifier, Transformer,
                              TransformerConfig, count_params)
 from transformer_jax.modules.embedding import InputEmbedding, sinusoidal_table, token_embedding
@@ -255,6 +256,24 @@ def test_encode_then_decode_equals_call(variant):
   # Control: the decoder does use the encoder output.
   other = apply(variables, encoded[::-1], src, tgt, method=Transformer.decode)
   assert _max_diff(other, logits) > 1e-4
+
+
+@pytest.mark.parametrize("zero_start", [True, False])
+def test_zero_decoder_start_reads_zeros_for_bos(zero_start):
+  """With zero_decoder_start the decoder's BOS input is a zero vector (Marian's and
+  CTranslate2's decoder start): its logits do not move when the BOS embedding row does,
+  except the column that scores BOS as an output (the tied projection). Without it, they do."""
+  cfg = tiny_config(zero_decoder_start=zero_start)
+  apply = transformer_apply(cfg)
+  variables = transformer_variables(cfg)
+  src, tgt = _batch()
+  tgt[:, 0] = BOS_ID
+  moved = jax.tree_util.tree_map(lambda x: x, variables)
+  table = moved["params"]["shared_embedding"]["embedding"]
+  moved["params"]["shared_embedding"]["embedding"] = table.at[BOS_ID].add(1.0)
+  others = np.arange(cfg.vocab_size) != BOS_ID
+  change = _max_diff(apply(moved, src, tgt)[..., others], apply(variables, src, tgt)[..., others])
+  assert (change < 1e-6) if zero_start else (change > 1e-3)
 
 
 # ------------------------------------------------------------------------ parameter counts

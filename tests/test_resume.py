@@ -204,7 +204,7 @@ def test_export_and_average_load_into_predict(straight, tmp_path):
   # An export of one checkpoint predicts exactly what that checkpoint does, without the
   # workdir (its config and tokenizer are inside).
   single = str(tmp_path / "elsewhere" / "model")
-  checkpoint.export(os.path.join(workdir, "checkpoints"), [STEPS], single)
+  checkpoint.write_average(os.path.join(workdir, "checkpoints"), [STEPS], single)
   shutil.rmtree(workdir)
   exported = Predictor(checkpoint_path=single)
   assert exported.predict_lines(lines) == checkpoints[1].predict_lines(lines)

@@ -57,6 +57,10 @@ class TransformerConfig:
       dimensions) or "halves" (sin in the first half, cos in the second; Marian/OPUS-MT).
     final_logits_bias: add a learned per-token bias to the output logits (Marian's
       `final_logits_bias`).
+    zero_decoder_start: the decoder's start token (BOS) embeds to zeros (its position
+      encoding is still added), as Marian starts its decoders and CTranslate2 runs them:
+      set by imports from MarianMT, and for a model trained here that is to be deployed on
+      CTranslate2 (convert --to=hf_marian).
     attention_impl: "xla" or "cudnn" (both through jax.nn.dot_product_attention; "cudnn"
       falls back to "xla" where the backend, dtype or shapes do not allow it) or "einsum"
       (explicit; the only path that can return attention weights).
@@ -92,6 +96,7 @@ class TransformerConfig:
   activation: str = "relu"
   sinusoidal_layout: str = "interleaved"
   final_logits_bias: bool = False
+  zero_decoder_start: bool = False
   attention_impl: str = "xla"
   dtype: str = "float32"
   param_dtype: str = "float32"

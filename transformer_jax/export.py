@@ -1,5 +1,6 @@
-"""Export the parameters of a training checkpoint, or the average of the last N (paper §6.1),
-as a params-only checkpoint with the run's config and tokenizer:
+"""Export what inference loads. By default a *parameter snapshot*: the parameters of a
+training checkpoint, or the average of the last N (paper §6.1), with the run's config and
+tokenizer (transformer_jax/checkpoint/snapshots.py):
 
   python -m transformer_jax.export --workdir W                # newest checkpoint
   python -m transformer_jax.export --workdir W --average 5    # mean of the last 5
@@ -8,14 +9,14 @@ as a params-only checkpoint with the run's config and tokenizer:
 It is written to W/exports/step_<S>[_avg<N>]/ (or --output), loads without the optimizer
 state or the workdir, and `predict` prefers it to the checkpoint of the same step.
 
-With --format=stablehlo it writes a served model instead (transformer_jax/serving/): the
+With --format=stablehlo it writes a serving *artifact* instead (transformer_jax/serving/): the
 whole inference function as a serialized `jax.export.Exported` with symbolic batch and
 length, the parameters as arrays beside it, tokenizer files, labels and a manifest:
 
   python -m transformer_jax.export --workdir W --format=stablehlo --output DIR
       [--platforms=cpu,cuda,tpu] [--beam_size 4]
 
-It uses the model predict would (the newest export or checkpoint), or the --step/--average
+It uses the model predict would (the newest snapshot or checkpoint), or the --step/--average
 selection; load it with `Served.load(DIR)` or serve it with `python -m transformer_jax.serve`.
 """
 
@@ -44,8 +45,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   flags.DEFINE_string("output", None, "Output directory; default "
                       "W/exports/step_<S>[_avg<N>] (orbax) or W/serving/step_<S>[_avg<N>] "
                       "(stablehlo).", **define)
-  flags.DEFINE_enum("format", "orbax", ["orbax", "stablehlo"], "orbax: a params-only "
-                    "checkpoint for predict; stablehlo: a served model (jax.export).", **define)
+  flags.DEFINE_enum("format", "orbax", ["orbax", "stablehlo"], "orbax: a parameter "
+                    "snapshot for predict; stablehlo: a serving artifact (jax.export).", **define)
   flags.DEFINE_list("platforms", None, "stablehlo: platforms to export for (cpu, cuda, "
                     "rocm, tpu); default: this machine's.", **define)
   flags.DEFINE_integer("beam_size", None, "stablehlo, translation: beam size baked into the "
@@ -63,7 +64,7 @@ def export_stablehlo(workdir: str, steps: list[int] | None, output: str | None,
       predictor = Predictor(workdir)
     else:   # The selection is an orbax export first: the one place that averages.
       directory = os.path.join(workdir, checkpoint.CHECKPOINT_DIR)
-      predictor = Predictor(checkpoint_path=checkpoint.export(directory, steps,
+      predictor = Predictor(checkpoint_path=checkpoint.write_average(directory, steps,
                                                               os.path.join(tmp, "export")))
     name = f"step_{predictor.step}" + (f"_avg{len(steps)}" if steps and len(steps) > 1 else "")
     output = output or os.path.join(workdir, "serving", name)
@@ -94,8 +95,8 @@ def main(argv):
       print(f"exported the served model (jax.export, StableHLO) to {path}")
       return
     name = f"step_{chosen[-1]}" + (f"_avg{len(chosen)}" if len(chosen) > 1 else "")
-    output = FLAGS.output or os.path.join(FLAGS.workdir, checkpoint.EXPORT_DIR, name)
-    path = checkpoint.export(directory, chosen, output)
+    output = FLAGS.output or os.path.join(FLAGS.workdir, checkpoint.SNAPSHOT_DIR, name)
+    path = checkpoint.write_average(directory, chosen, output)
   except (ValueError, FileExistsError) as e:   # a --step or --average that cannot be had
     raise UserError(str(e)) from e
   print(f"exported the parameters of steps {chosen} to {path}")

@@ -36,16 +36,17 @@ def _has_accelerator() -> bool:
 def skip_missing_tpu() -> None:
   """On a machine without a TPU or GPU where libtpu or the CUDA plugin is installed, JAX
   would try to start their backends, print their errors about the missing hardware, and
-  fall back to the CPU. Choose the CPU up front, and load the CUDA plugin (whose libraries
-  each log that no CUDA driver is found) with those lines silenced. Does nothing where
-  JAX_PLATFORMS is set or an accelerator is present. Must run before JAX starts a backend
-  and, for the silencing, before jax is imported."""
-  if "JAX_PLATFORMS" in os.environ or _has_accelerator():
+  fall back to the CPU. Choose the CPU up front (unless JAX_PLATFORMS says otherwise), and
+  load the CUDA plugin (whose libraries each log that no CUDA driver is found, whatever
+  JAX_PLATFORMS says) with those lines silenced. Does nothing where an accelerator is
+  present. Must run before JAX starts a backend and, for the silencing, before jax is
+  imported."""
+  if _has_accelerator():
     return
   cuda = importlib.util.find_spec("jax_cuda12_plugin") is not None
   if not cuda and importlib.util.find_spec("libtpu") is None:
     return
-  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   if cuda and "jax" not in sys.modules:
     with quiet_stderr():
       import jax  # noqa: F401  (loads the plugin's extension libraries)

@@ -4,9 +4,10 @@
       [--beam_size 4] [--alpha 0.6] [--batch_size 64] [--checkpoint DIR]
 
 Translation: text in, text out. Classification: text in, label out. Tagging: space-separated
-words in, one tag per word out. Loads the workdir's newest model: the highest-step export in
-W/exports/ or checkpoint in W/checkpoints/ (an export wins at the same step; a damaged one is
-skipped with a warning), or the export or checkpoint directory given as --checkpoint. The
+words in, one tag per word out. Loads the workdir's newest model: the highest-step parameter
+snapshot in W/exports/ or checkpoint in W/checkpoints/ (a snapshot wins at the same step; a
+damaged one is skipped with a warning), or the snapshot or checkpoint directory given as
+--checkpoint. The
 model's config, tokenizer(s) and label names are read from that checkpoint. Input and output
 default to stdin and stdout.
 """
@@ -41,7 +42,7 @@ class Predictor:
     self.decode = DecodeOptions.from_dict(self.saved_config.get("decode"))
 
   @staticmethod
-  def _task(model: checkpoint.Model) -> tasks.Task:
+  def _task(model: checkpoint.ModelRecord) -> tasks.Task:
     saved = upgrade(model.config)
     task_name = TrainOptions.from_dict(saved).task
     if tasks.task_class(task_name).needs_labels and not model.assets.labels:
@@ -52,8 +53,8 @@ class Predictor:
                                  labels=model.assets.labels)
 
   @classmethod
-  def _load(cls, path: str) -> tuple[checkpoint.Model, object]:
-    model = checkpoint.read_model(path)
+  def _load(cls, path: str) -> tuple[checkpoint.ModelRecord, object]:
+    model = checkpoint.read_record(path)
     task = cls._task(model)
     abstract = nn.meta.unbox(jax.eval_shape(task.init_params, jax.random.PRNGKey(0)))
     return model, checkpoint.restore_params(path, abstract)
@@ -134,9 +135,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   """The command-line flags, defined only when this module is the program (so that other
   commands can import it); tests pass a FlagValues of their own."""
   define = dict(flag_values=flag_values)
-  flags.DEFINE_string("workdir", None, "Training workdir: its newest export or "
-                      "checkpoint is used.", **define)
-  flags.DEFINE_string("checkpoint", None, "An export (W/exports/NAME) or checkpoint "
+  flags.DEFINE_string("workdir", None, "Training workdir: its newest parameter "
+                      "snapshot or checkpoint is used.", **define)
+  flags.DEFINE_string("checkpoint", None, "A parameter snapshot (W/exports/NAME) or checkpoint "
                       "(W/checkpoints/STEP) directory to use instead.", **define)
   flags.DEFINE_string("input", "-", "Input file, one example per line ('-': stdin).",
                       **define)
@@ -150,8 +151,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
 def _check_flags() -> None:
   """The flags, before a model is loaded."""
   if FLAGS.workdir is None and FLAGS.checkpoint is None:
-    raise UserError("give --workdir (a training workdir) or --checkpoint (an export or "
-                    "checkpoint directory)")
+    raise UserError("give --workdir (a training workdir) or --checkpoint (a parameter "
+                    "snapshot or checkpoint directory)")
   for name, low in (("batch_size", 1), ("beam_size", 1), ("alpha", 0)):
     value = FLAGS[name].value
     if value is not None and not value >= low:    # `not >=`: NaN fails too

@@ -33,7 +33,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from transformer_jax import sharding
-from transformer_jax.checkpoint.exports import first_good
+from transformer_jax.checkpoint.snapshots import first_good
 from transformer_jax.checkpoint.manifest import (absolute, check_compatible, describe, read,
                                                  signature, verify)
 from transformer_jax.errors import UserError, tracebacks_wanted

@@ -68,14 +68,14 @@ class OurModel:
   path: str                 # the checkpoint or export it was read from
   config: TransformerConfig  # scan_layers=False, fused_qkv=False
   params: dict               # unrolled, separate-QKV numpy parameters
-  record: checkpoint.Model   # its run config and tokenizers
+  record: checkpoint.ModelRecord   # its run config and tokenizers
 
 
 def load_ours(workdir: str | None, checkpoint_path: str | None, purpose: str) -> OurModel:
   """The model `predict` would use (--checkpoint, or the newest export or checkpoint of the
   workdir) for `purpose` (e.g. "--to=hf_marian"); only translation models convert."""
   path, (record, params) = checkpoint.load_newest(
-      workdir, lambda p: (checkpoint.read_model(p), checkpoint.restore_params(p)),
+      workdir, lambda p: (checkpoint.read_record(p), checkpoint.restore_params(p)),
       checkpoint_path)
   task = TrainOptions.from_dict(upgrade(record.config)).task
   if task != TranslationTask.name:
@@ -99,5 +99,5 @@ def save_params_snapshot(path: str, params: dict, run_config: dict, tokenizer: A
     raise ConvertError(f"{os.path.abspath(path)} already exists; remove it or use another "
                        "--name")
   params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), params)
-  return checkpoint.write_export(path, params, run_config,
+  return checkpoint.write_snapshot(path, params, run_config,
                                  tokenizer_item(tokenizer, target_tokenizer), steps=[0])

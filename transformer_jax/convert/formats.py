@@ -95,7 +95,7 @@ def run(*, from_: str | None = None, to: str | None = None, input: str | None = 
       raise ConvertError(f"--input={input}: no such "
                          f"{'directory' if fmt.input_is_directory else 'file'}")
     _, params, run_config, source, target = fmt.read(input, allow_pickle, like)
-    path = save_params_snapshot(os.path.join(workdir, checkpoint.EXPORT_DIR, name or from_),
+    path = save_params_snapshot(os.path.join(workdir, checkpoint.SNAPSHOT_DIR, name or from_),
                                 params, run_config, source, target)
     return f"wrote {path} ({param_utils.count_params(params):,} parameters)"
   if not output:

@@ -91,7 +91,8 @@ def config_from_hf(hf: dict, source: str) -> TransformerConfig:
         activation=marker.get("activation", FROM_HF_ACTIVATION[activation]),
         sinusoidal_layout=marker.get("sinusoidal_layout", "halves"),
         final_logits_bias=marker.get("final_logits_bias", True),
-        layer_norm_epsilon=marker.get("layer_norm_epsilon", MARIAN_EPSILON))
+        layer_norm_epsilon=marker.get("layer_norm_epsilon", MARIAN_EPSILON),
+        zero_decoder_start=bool(marker.get("zero_decoder_start", False)))
   except KeyError as e:
     raise ConvertError(f"{source}: missing {e.args[0]}") from None
   except ValueError as e:
@@ -119,6 +120,7 @@ def hf_config(cfg: TransformerConfig, pad_row: dict) -> dict:
       "use_cache": True, "dtype": "float32",
       MARKER: {"sinusoidal_layout": cfg.sinusoidal_layout, "activation": cfg.activation,
                "final_logits_bias": cfg.final_logits_bias,
+               "zero_decoder_start": cfg.zero_decoder_start,
                "layer_norm_epsilon": cfg.layer_norm_epsilon, **pad_row},
   }
 
@@ -277,7 +279,11 @@ def params_to_state(params: dict, cfg: TransformerConfig) -> tuple[dict[str, np.
     params = permute_embed_axes(params, cfg, interleaved_to_halves(cfg.d_model))
   state = {key: np.asarray(to_theirs(np.asarray(trees.get_path(params, ours), np.float32)))
            for ours, key, _, to_theirs in layer_tensors(cfg, "marian")}
-  table = np.asarray(trees.get_path(params, "shared_embedding/embedding"), np.float32)
+  table = np.array(trees.get_path(params, "shared_embedding/embedding"), np.float32)
+  if cfg.zero_decoder_start:
+    # Our decoder reads zeros for BOS (Marian's <pad>, its decoder start), as Marian does;
+    # the row only scores <pad> as an output, which Marian's generation never allows.
+    table[BOS_ID] = 0.0
   bias = (np.asarray(params["decoder"]["final_logits_bias"], np.float32)
           if cfg.final_logits_bias else np.zeros(cfg.vocab_size, np.float32))
   order = opus_mt_order(cfg)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from transformer_jax.config import TransformerConfig
+from transformer_jax.config import BOS_ID, TransformerConfig
 from transformer_jax.convert import marian
 from transformer_jax.convert.files import (OurModel, read_json, read_state_dict, write_json)
 from transformer_jax.convert.tensors import ConvertError
@@ -56,6 +56,12 @@ def import_marian(directory: str, allow_pickle: bool = False) -> Imported:
       raise ConvertError(f"{directory}: missing model.safetensors (or pytorch_model.bin)")
   params = marian.state_to_params(read_state_dict(weights, allow_pickle), cfg, order, weights,
                                   hf.get(marian.MARKER))
+  if "zero_decoder_start" not in hf.get(marian.MARKER, {}):
+    # OPUS-MT's decoder start row (<pad>, our BOS) is zero, as Marian starts its decoders;
+    # keeping it zero through fine-tuning keeps CTranslate2 translating as we do. A model
+    # whose row is not zero is imported as transformers computes it.
+    start_row = params["shared_embedding"]["embedding"][BOS_ID]
+    cfg = cfg.replace(zero_decoder_start=not np.any(start_row))
 
   pieces_by_id = {i: piece for piece, i in vocab.items()}
   if marian.JAX_PAD_PIECE in vocab and order[0] is None:
@@ -113,5 +119,6 @@ def write_hf_marian(model: OurModel, output: str) -> str:
   if np.any(state["model.shared.weight"][-1]):
     notes.append("note: the decoder's start embedding (<pad>, our BOS) is not zero: "
                  "transformers computes this model exactly, but CTranslate2 starts Marian "
-                 "decoders from a zero vector, so its translations can differ from ours")
+                 "decoders from a zero vector, so its translations can differ from ours; "
+                 "train with --config.model.zero_decoder_start=True to deploy there")
   return "\n".join(notes)

@@ -92,16 +92,18 @@ class PositionalEncoding(nn.Module):
 class InputEmbedding(nn.Module):
   """tokens -> dropout(embed(tokens) * sqrt(d_model) [+ features] + PE(positions)), where
   `features` (B, T, d_model) are optional extra per-token vectors (e.g. a word's spelling,
-  `CharacterFeatures`)."""
+  `CharacterFeatures`); the token `zero_token`, if given, embeds to zeros."""
 
   config: TransformerConfig
   embedding: nn.Embed
 
   @nn.compact
   def __call__(self, tokens: Array, positions: Array, *, features: Array | None = None,
-               train: bool = False) -> Array:
+               zero_token: int | None = None, train: bool = False) -> Array:
     cfg = self.config
     x = self.embedding(tokens) * jnp.sqrt(cfg.d_model).astype(cfg.compute_dtype)
+    if zero_token is not None:
+      x = jnp.where((tokens == zero_token)[..., None], jnp.zeros((), x.dtype), x)
     if features is not None:
       x = x + features.astype(x.dtype)
     x = PositionalEncoding(cfg, name="positional")(x, positions)

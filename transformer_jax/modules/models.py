@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from transformer_jax.config import PAD_ID, TransformerConfig
+from transformer_jax.config import BOS_ID, PAD_ID, TransformerConfig
 from transformer_jax.modules.attention import (causal_mask, combine_masks, padding_mask,
                                                segment_mask)
 from transformer_jax.modules.embedding import (CharacterFeatures, InputEmbedding,
@@ -128,8 +128,9 @@ class Decoder(nn.Module):
     if tgt_positions is None:
       tgt_positions = default_positions(tgt_tokens)
 
+    start = BOS_ID if cfg.zero_decoder_start else None
     y = InputEmbedding(cfg, embedding, name="input_embedding")(tgt_tokens, tgt_positions,
-                                                                train=train)
+                                                                zero_token=start, train=train)
     y = apply_layers(cfg, lambda name: DecoderLayer(cfg, name=name), cfg.num_decoder_layers,
                      y, encoded, self_mask, cross_mask, remat=not decode, train=train,
                      decode=decode)

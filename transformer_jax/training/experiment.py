@@ -89,7 +89,7 @@ def model_config(options: RunOptions, task: type[Task], vocab_size: int,
   return TransformerConfig.from_dict(fields), head
 
 
-def _pretrained(train: TrainOptions, task: type[Task]) -> checkpoint.Model | None:
+def _pretrained(train: TrainOptions, task: type[Task]) -> checkpoint.ModelRecord | None:
   """The model init_from names (an export, e.g. an import from Hugging Face, or a
   checkpoint), checked to be a model of the run's task."""
   path = train.init_from
@@ -98,7 +98,7 @@ def _pretrained(train: TrainOptions, task: type[Task]) -> checkpoint.Model | Non
   if not os.path.isdir(path):
     raise MissingFileError(f"init_from={path!r}: no such directory (give an export or "
                             "checkpoint directory)")
-  model = checkpoint.read_model(path)
+  model = checkpoint.read_record(path)
   saved = upgrade(model.config)
   saved_task = TrainOptions.from_dict(saved).task
   if saved_task != task.name:
@@ -107,7 +107,7 @@ def _pretrained(train: TrainOptions, task: type[Task]) -> checkpoint.Model | Non
   return dataclasses.replace(model, config=saved)
 
 
-def _check_same_text_assets(pretrained: checkpoint.Model, source: Any) -> None:
+def _check_same_text_assets(pretrained: checkpoint.ModelRecord, source: Any) -> None:
   """The data must speak the pretrained model's vocabulary and labels (a workdir with other
   saved tokenizers cannot fine-tune it)."""
   theirs = tokenizer_item(pretrained.assets.tokenizer, pretrained.assets.target_tokenizer,
@@ -137,7 +137,7 @@ class Experiment:
   mesh: Mesh
   schedule: optax.Schedule
   optimizer: optax.GradientTransformation
-  pretrained: checkpoint.Model | None = None   # what init_from names
+  pretrained: checkpoint.ModelRecord | None = None   # what init_from names
 
   @classmethod
   def create(cls, config: Any, workdir: str | None = None, *,

@@ -289,12 +289,12 @@ def _train(options: RunOptions, workdir: str) -> dict[str, float]:
 def _average_newest(experiment: Experiment, workdir: str, available: Sequence[int],
                     count: int) -> tuple[Any, list[int]]:
   """The mean parameters of the newest `count` checkpoints (paper §6.1), written once as
-  the export W/exports/step_<last>_avg<count> (which predict then serves: it is the newest
+  the parameter snapshot W/exports/step_<last>_avg<count> (which predict then serves: it is the newest
   model) and restored onto the mesh; and their steps."""
   steps = checkpoint.select_steps(list(available), "latest", count, None)
-  path = os.path.join(workdir, checkpoint.EXPORT_DIR, f"step_{steps[-1]}_avg{count}")
+  path = os.path.join(workdir, checkpoint.SNAPSHOT_DIR, f"step_{steps[-1]}_avg{count}")
   if jax.process_index() == 0 and not os.path.exists(path):   # a re-run reuses it
-    checkpoint.export(os.path.join(workdir, CHECKPOINT_DIR), steps, path)
+    checkpoint.write_average(os.path.join(workdir, CHECKPOINT_DIR), steps, path)
   sync_global_devices(f"average {path}")
   abstract, _ = experiment.abstract_params()
   return checkpoint.restore_params(path, abstract), steps
@@ -303,12 +303,12 @@ def _average_newest(experiment: Experiment, workdir: str, available: Sequence[in
 def evaluate_saved(config: Any, workdir: str | None,
                    path: str | None = None) -> dict[str, float]:
   """Evaluates saved parameters with the config's evaluation: those at `path` (a checkpoint
-  or an export, e.g. an average), else the workdir's newest, as `predict` picks them."""
+  or a parameter snapshot, e.g. an average), else the workdir's newest, as `predict` picks them."""
   experiment = Experiment.create(config, workdir)
   abstract, params_sharding = experiment.abstract_params()   # restored straight onto the mesh
 
-  def load(candidate: str) -> tuple[checkpoint.Model, Any]:
-    model = checkpoint.read_model(candidate)
+  def load(candidate: str) -> tuple[checkpoint.ModelRecord, Any]:
+    model = checkpoint.read_record(candidate)
     if tokenizer_item(model.assets.tokenizer, model.assets.target_tokenizer,
                       model.assets.labels) != _assets(experiment):
       raise checkpoint.IncompatibleCheckpointError(

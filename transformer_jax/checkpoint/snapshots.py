@@ -1,9 +1,9 @@
-"""Exports and discovery: what inference reads from a workdir.
+"""Parameter snapshots and discovery: what inference reads from a workdir.
 
-An export (W/exports/<name>/) has the items params, config, tokenizer and manifest (with
-"averaged_steps"): the parameters of one training checkpoint, or the mean of several (the
+A parameter snapshot (W/exports/<name>/; the directory keeps its earlier name) has the
+items params, config, tokenizer and manifest (with "averaged_steps"): the parameters of one training checkpoint, or the mean of several (the
 paper's checkpoint averaging, §6.1), loadable without the optimizer state and without the
-workdir. `models` lists a workdir's checkpoints and exports best first; `first_good` takes
+workdir. `models` lists a workdir's checkpoints and snapshots best first; `first_good` takes
 the first that loads, skipping damaged ones with a warning; `load_newest` is the two
 together, as predict, convert and `train.py --eval_only` choose their model.
 """
@@ -28,14 +28,15 @@ from transformer_jax.data.tokenizer import TextAssets, load_tokenizer_item
 from transformer_jax.errors import MissingFileError
 from transformer_jax.options import TrainOptions, upgrade
 
-CHECKPOINT_DIR, EXPORT_DIR = "checkpoints", "exports"
+CHECKPOINT_DIR, SNAPSHOT_DIR = "checkpoints", "exports"
 T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------ reading
 @dataclasses.dataclass
-class Model:
-  """What inference needs from a checkpoint or an export."""
+class ModelRecord:
+  """The record of a saved model (a checkpoint or a snapshot): what inference needs to
+  load it, without its arrays."""
   path: str
   step: int
   config: dict
@@ -43,18 +44,18 @@ class Model:
   averaged_steps: list[int]
 
 
-def read_model(path: str) -> Model:
-  """The JSON items of a checkpoint or export (no arrays are read)."""
+def read_record(path: str) -> ModelRecord:
+  """The JSON items of a checkpoint or snapshot (no arrays are read): its ModelRecord."""
   json = read(epath.Path(path), manifest=ocp.args.JsonRestore(), config=ocp.args.JsonRestore(),
               tokenizer=ocp.args.JsonRestore())
   manifest = json["manifest"]
-  return Model(path=str(path), step=int(manifest["step"]), config=json["config"],
+  return ModelRecord(path=str(path), step=int(manifest["step"]), config=json["config"],
                assets=load_tokenizer_item(json["tokenizer"]),
                averaged_steps=list(manifest.get("averaged_steps", [manifest["step"]])))
 
 
 def restore_params(path: str, abstract_params: Any | None = None) -> Any:
-  """The verified parameters of a checkpoint or export. With `abstract_params` (a tree of
+  """The verified parameters of a checkpoint or snapshot. With `abstract_params` (a tree of
   ShapeDtypeStructs) they are restored to its structure and shardings, else as saved, on
   the default device."""
   path = epath.Path(path)
@@ -92,10 +93,11 @@ def first_good(paths: Sequence[str], load: Callable[[str], T]) -> tuple[str, T, 
                                "the warnings above")
 
 
-# ------------------------------------------------------------------------- exports
+# ----------------------------------------------------------------------- snapshots
 def select_steps(available: list[int], step: str, average: int, best: int | None) -> list[int]:
   """The `average` checkpoints of `available` ending at `step` ('latest', 'best' or a
-  number; `best` is best_step's answer), for `export`; errors name the export CLI's flags."""
+  number; `best` is best_step's answer), for the export command (python -m
+  transformer_jax.export), whose flags the errors name."""
   if not available:
     raise ValueError("there are no checkpoints to export")
   if average < 1:
@@ -119,10 +121,10 @@ def select_steps(available: list[int], step: str, average: int, best: int | None
   return chosen
 
 
-def export(checkpoint_dir: str, steps: Sequence[int], output: str) -> str:
+def write_average(checkpoint_dir: str, steps: Sequence[int], output: str) -> str:
   """Writes the parameters of checkpoint `steps` (their mean if several: the paper's
-  checkpoint averaging, §6.1) with the newest one's config and tokenizer as a params-only
-  checkpoint at `output`. Returns `output`."""
+  checkpoint averaging, §6.1) with the newest one's config and tokenizer as a parameter
+  snapshot at `output`. Returns `output`."""
   steps = sorted(steps)
   if not steps:
     raise ValueError("no checkpoints to export")
@@ -142,12 +144,12 @@ def export(checkpoint_dir: str, steps: Sequence[int], output: str) -> str:
     total = as64 if total is None else jax.tree_util.tree_map(np.add, total, as64)
   # The mean is taken in float64 and rounded once to each parameter's dtype.
   mean = jax.tree_util.tree_map(lambda t, p: (t / len(paths)).astype(p.dtype), total, params)
-  return write_export(str(output_path), mean, newest["config"], newest["tokenizer"], steps)
+  return write_snapshot(str(output_path), mean, newest["config"], newest["tokenizer"], steps)
 
 
-def write_export(output: str, params: Any, run_config: dict, tokenizer: dict,
+def write_snapshot(output: str, params: Any, run_config: dict, tokenizer: dict,
                  steps: Sequence[int]) -> str:
-  """A params-only export at `output` (which must not exist): `params` (host arrays), the
+  """A parameter snapshot at `output` (which must not exist): `params` (host arrays), the
   run config, the tokenizer item (data.tokenizer.tokenizer_item) and a manifest saying which
   training `steps` it comes from (their mean if several). Returns `output`."""
   output_path = absolute(output)
@@ -198,21 +200,21 @@ def _is_complete(path: epath.Path) -> bool:
   return path.is_dir() and ocp.step.is_path_finalized(path) and (path / "manifest").exists()
 
 
-def _export_step(path: epath.Path) -> int:
+def _snapshot_step(path: epath.Path) -> int:
   try:
     return int(read(path, manifest=ocp.args.JsonRestore())["manifest"]["step"])
-  except Exception:  # An unreadable export ranks last; loading it reports the damage.
+  except Exception:  # An unreadable snapshot ranks last; loading it reports the damage.
     return -1
 
 
 def models(workdir: str) -> list[str]:
-  """The checkpoints and exports of a workdir, best first, as `predict` tries them: by
-  training step, newest first, and at the same step an export (e.g. an average) before the
+  """The checkpoints and snapshots of a workdir, best first, as `predict` tries them: by
+  training step, newest first, and at the same step a snapshot (e.g. an average) before the
   training checkpoint."""
   ranked = []
-  exports = epath.Path(workdir) / EXPORT_DIR
+  exports = epath.Path(workdir) / SNAPSHOT_DIR
   if exports.is_dir():
-    ranked += [(_export_step(p), 1, str(p)) for p in exports.iterdir() if _is_complete(p)]
+    ranked += [(_snapshot_step(p), 1, str(p)) for p in exports.iterdir() if _is_complete(p)]
   checkpoints = epath.Path(workdir) / CHECKPOINT_DIR
   if checkpoints.is_dir():
     ranked += [(step, 0, str(checkpoints / str(step))) for step in checkpoint_steps(checkpoints)]
@@ -221,7 +223,7 @@ def models(workdir: str) -> list[str]:
 
 def load_newest(workdir: str | None, load: Callable[[str], T],
                 path: str | None = None) -> tuple[str, T]:
-  """(path, load(path)) of the model that inference uses: `path` (a checkpoint or export
+  """(path, load(path)) of the model that inference uses: `path` (a checkpoint or snapshot
   directory) when given, else the first of the workdir's `models` that loads (a damaged one
   is skipped with a warning). A missing directory, or a workdir without a model, is a
   MissingFileError naming it."""
@@ -235,7 +237,7 @@ def load_newest(workdir: str | None, load: Callable[[str], T],
   else:
     candidates = models(workdir)
     if not candidates:
-      raise MissingFileError(f"workdir {workdir!r} has no checkpoint or export; was "
+      raise MissingFileError(f"workdir {workdir!r} has no checkpoint or snapshot; was "
                              "training interrupted before the first checkpoint?")
   chosen, loaded, _ = first_good(candidates, load)
   return chosen, loaded
