@@ -129,7 +129,7 @@ def test_unknown_choices_are_rejected(field, value):
     ("remat_policy", "full"), ("remat_policy", "dots"), ("remat_policy", "dots_no_batch"),
     ("scan_layers", True), ("fused_qkv", True),
     ("activation", "swish"), ("activation", "silu"), ("sinusoidal_layout", "halves"),
-    ("final_logits_bias", True),
+    ("final_logits_bias", True), ("zero_decoder_start", True),
 ])
 def test_known_choices_are_accepted(field, value):
   assert getattr(TransformerConfig(vocab_size=V, **{field: value}), field) == value
@@ -149,7 +149,8 @@ def test_target_vocab_size_must_be_positive(value):
   _raises_naming("target_vocab_size", target_vocab_size=value, share_embeddings=False)
 
 
-@pytest.mark.parametrize("field", ["scan_layers", "fused_qkv", "final_logits_bias"])
+@pytest.mark.parametrize("field", ["scan_layers", "fused_qkv", "final_logits_bias",
+                                   "zero_decoder_start"])
 @pytest.mark.parametrize("value", [1, "True", None])
 def test_speed_flags_must_be_booleans(field, value):
   _raises_naming(field, **{field: value})

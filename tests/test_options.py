@@ -25,6 +25,7 @@ OPTIONS = [
     ("marian: halves+final_logits_bias", dict(sinusoidal_layout="halves",
                                                final_logits_bias=True), False),
     ("attention=einsum", dict(attention_impl="einsum"), False),
+    ("zero_decoder_start", dict(zero_decoder_start=True), False),
     ("untied-unshared", dict(share_embeddings=False, tie_output=False,
                              target_vocab_size=VOCAB + 7), False),
     ("unshared-tied", dict(share_embeddings=False, target_vocab_size=VOCAB + 7), False),

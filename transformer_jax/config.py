@@ -182,7 +182,7 @@ class TransformerConfig:
         fail(field, "must be a number in [0, 1)")
     if not isinstance(self.layer_norm_epsilon, (int, float)) or self.layer_norm_epsilon <= 0:
       fail("layer_norm_epsilon", "must be a positive number")
-    for field in ("scan_layers", "fused_qkv", "final_logits_bias"):
+    for field in ("scan_layers", "fused_qkv", "final_logits_bias", "zero_decoder_start"):
       if not isinstance(getattr(self, field), bool):
         fail(field, "must be True or False")
     for field, choices in _CHOICES.items():
