@@ -20,7 +20,7 @@ from typing import Any, Callable
 import jax
 import flax.linen as nn
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 from benchmarks import common
 from transformer_jax import decoding, errors
@@ -54,12 +54,12 @@ def prepare(s: common.Setup, params: Any, src: Any, beam_size: int,
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    raise errors.UserError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)
   s = common.setup()
   if FLAGS.max_length > s.model.max_len:
-    raise app.UsageError(f"--max_length={FLAGS.max_length} exceeds model.max_len="
-                         f"{s.model.max_len}; pass --config.model.max_len")
+    raise errors.UserError(f"--max_length={FLAGS.max_length} exceeds model.max_len="
+                           f"{s.model.max_len}; pass --config.model.max_len")
   src = common.random_batch(s, FLAGS.seed)["src"]
   params = jax.jit(lambda key: nn.meta.unbox(Transformer(s.model).init(
       key, src[:1], src[:1, :1])["params"]))(jax.random.PRNGKey(FLAGS.seed))

@@ -8,17 +8,26 @@ Creates the paper's base model (vocabulary 37000) with Adam state directly in it
 
 from __future__ import annotations
 
-import argparse
+import math
 
 import jax
 import jax.numpy as jnp
 import optax
+from absl import flags
 
 from transformer_jax import Transformer, TransformerConfig, errors, sharding
 from transformer_jax.training.state import new_train_state
 
 LAYOUTS = [dict(data=8), dict(fsdp=8), dict(data=2, tensor=4), dict(data=2, fsdp=2, tensor=2),
            dict(fsdp=2, tensor=4)]
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The command-line flags, defined only when this module is the program (absl flags are
+  global: other modules define --vocab_size)."""
+  flags.DEFINE_enum("preset", "base", ["base", "big", "small"], "TransformerConfig preset.")
+  flags.DEFINE_integer("vocab_size", 37000, "Vocabulary size.", lower_bound=1)
 
 
 def device0_bytes(tree) -> int:
@@ -27,17 +36,21 @@ def device0_bytes(tree) -> int:
              for s in x.addressable_shards if s.device == device)
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--preset", default="base", choices=["base", "big", "small"])
-  parser.add_argument("--vocab_size", type=int, default=37000)
-  args = parser.parse_args()
-  cfg = getattr(TransformerConfig, args.preset)(vocab_size=args.vocab_size)
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise errors.UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+  needed = math.prod(LAYOUTS[0].values())       # every layout spans the same devices
+  if jax.device_count() != needed:
+    raise errors.UserError(
+        f"the layouts need {needed} devices, found {jax.device_count()} "
+        f"({jax.default_backend()}); on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count="
+        f"{needed} python -m benchmarks.param_memory")
+  cfg = getattr(TransformerConfig, FLAGS.preset)(vocab_size=FLAGS.vocab_size)
   model = Transformer(cfg)
   dummy = jnp.ones((1, 8), jnp.int32)
   init = lambda: new_train_state(model.init(jax.random.PRNGKey(0), dummy, dummy)["params"],
                                  optax.adam(1e-3), 0)
-  print(f"{args.preset} model, vocab {args.vocab_size}, {jax.device_count()} "
+  print(f"{FLAGS.preset} model, vocab {FLAGS.vocab_size}, {jax.device_count()} "
         f"{jax.default_backend()} devices; MiB held by device 0")
   print(f"{'layout':32s} {'params':>10s} {'adam state':>10s} {'total':>10s}")
   for sizes in LAYOUTS:
@@ -48,4 +61,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  errors.user_errors(main)()
+  define_flags()
+  errors.run(main)

@@ -19,7 +19,7 @@ import re
 import tempfile
 
 import jax
-from absl import app, flags, logging
+from absl import flags, logging
 
 from benchmarks import common, train_step
 from transformer_jax import errors
@@ -55,7 +55,7 @@ def op_times(trace_events: list[dict]) -> collections.Counter:
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    raise errors.UserError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)
   s = common.setup()
   batch = common.random_batch(s, FLAGS.seed, packed=FLAGS.packed)
@@ -72,7 +72,9 @@ def main(argv: list[str]) -> None:
   times = op_times(trace["traceEvents"] if isinstance(trace, dict) else trace)
   total = sum(times.values())
   if not total:
-    raise SystemExit(f"the trace in {path} holds no op events for this backend")
+    raise errors.UserError(f"the trace in {path} holds no XLA op events that this command "
+                           f"reads on the {jax.default_backend()} backend; open the trace in "
+                           "Perfetto (ui.perfetto.dev) instead")
   print(f"{jax.devices()[0].device_kind}: op time {total / FLAGS.profile_steps / 1000:.1f} "
         f"ms per step (trace: {path})")
   for family, micros in times.most_common(FLAGS.top):

@@ -15,7 +15,6 @@ The standard deviation is the sample one (n - 1).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,8 +23,23 @@ import sys
 import time
 from typing import Sequence
 
+from absl import flags
+
+from transformer_jax import errors
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _WALL = "wall_secs"
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The command-line flags, defined only when this module is the program (absl flags are
+  global: tests import this module beside others that define --config and --json)."""
+  flags.DEFINE_string("config", None, "Config file of train.py.", required=True)
+  flags.DEFINE_string("workdir", None, "Seed S trains in WORKDIR/seed_S.", required=True)
+  flags.DEFINE_list("seeds", ["0", "1", "2"], "Comma-separated integer seeds.")
+  flags.DEFINE_list("metrics", ["eval/accuracy"], "Comma-separated metrics of metrics.jsonl.")
+  flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
 
 
 def final_metrics(workdir: str, names: Sequence[str]) -> dict[str, float]:
@@ -37,7 +51,8 @@ def final_metrics(workdir: str, names: Sequence[str]) -> dict[str, float]:
       found.update({k: record[k] for k in names if k in record})
   missing = [k for k in names if k not in found]
   if missing:
-    raise SystemExit(f"error: {workdir}/metrics.jsonl has no {missing}")
+    raise errors.UserError(f"{workdir}/metrics.jsonl has no {missing}; name metrics that "
+                           "its lines hold in --metrics")
   return found
 
 
@@ -46,36 +61,41 @@ def summary(values: Sequence[float]) -> tuple[float, float]:
   return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--config", required=True)
-  parser.add_argument("--workdir", required=True, help="seed S trains in WORKDIR/seed_S")
-  parser.add_argument("--seeds", default="0,1,2")
-  parser.add_argument("--metrics", default="eval/accuracy")
-  parser.add_argument("--json", action="store_true")
-  parser.add_argument("overrides", nargs="*", help="after --: more train.py flags")
-  args = parser.parse_args(argv)
+def main(argv: list[str]) -> None:
+  overrides = argv[1:]               # after --: more train.py flags
+  not_flags = [a for a in overrides if not a.startswith("--")]
+  if not_flags:
+    raise errors.UserError(f"unexpected arguments {not_flags}: after -- come train.py flags "
+                           "(--config.field=value)")
   try:
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = [int(s) for s in FLAGS.seeds]
   except ValueError:
-    parser.error(f"--seeds={args.seeds!r}: comma-separated integers")
-  names = [m for m in args.metrics.split(",") if m]
+    raise errors.UserError(f"--seeds={','.join(FLAGS.seeds)}: expected comma-separated "
+                           "integers") from None
+  names = [m for m in FLAGS.metrics if m]
+  if not seeds or not names:
+    raise errors.UserError("--seeds and --metrics each need at least one entry")
+  config_file = FLAGS.config.split(":")[0]     # ml_collections: FILE[:ARGUMENT]
+  if not os.path.isfile(config_file):
+    raise errors.MissingFileError(f"--config={FLAGS.config}: no such file")
 
   rows = []
   for seed in seeds:
-    workdir = os.path.join(args.workdir, f"seed_{seed}")
-    command = [sys.executable, os.path.join(ROOT, "train.py"), f"--config={args.config}",
-               f"--config.seed={seed}", f"--workdir={workdir}", *args.overrides]
+    workdir = os.path.join(FLAGS.workdir, f"seed_{seed}")
+    command = [sys.executable, os.path.join(ROOT, "train.py"), f"--config={FLAGS.config}",
+               f"--config.seed={seed}", f"--workdir={workdir}", *overrides]
     print(f"seed {seed}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
     started = time.perf_counter()
-    if subprocess.run(command).returncode:
-      raise SystemExit(f"error: seed {seed} failed (its output is above)")
+    status = subprocess.run(command).returncode
+    if status:
+      raise errors.UserError(f"seed {seed}: train.py exited with status {status}; its output "
+                             "above says why")
     rows.append({"seed": seed, **final_metrics(workdir, names),
                  _WALL: round(time.perf_counter() - started, 1)})
 
   stats = {k: summary([row[k] for row in rows]) for k in names}
-  if args.json:
-    print(json.dumps({"config": args.config, "overrides": args.overrides, "runs": rows,
+  if FLAGS.json:
+    print(json.dumps({"config": FLAGS.config, "overrides": overrides, "runs": rows,
                       "mean": {k: m for k, (m, _) in stats.items()},
                       "std": {k: s for k, (_, s) in stats.items()}}))
     return
@@ -89,4 +109,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  errors.run(main)

@@ -14,7 +14,6 @@ wall time of the timed loop. Loops are bounded in count and in time (--time_limi
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import datetime
 import http.client
@@ -29,7 +28,30 @@ import time
 from typing import Any, Sequence
 from urllib.parse import urlparse
 
+from absl import flags
+
+from transformer_jax import errors
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The command-line flags, defined only when this module is the program (absl flags are
+  global: tests import this module beside modules that define --json, --max_batch...)."""
+  flags.DEFINE_string("model", None, "Artifact directory (export --format=stablehlo).",
+                      required=True)
+  flags.DEFINE_string("inputs", None, "Input lines, one per line.", required=True)
+  flags.DEFINE_integer("requests", 200, "Timed requests.", lower_bound=1)
+  flags.DEFINE_integer("clients", 8, "Concurrent client threads.", lower_bound=1)
+  flags.DEFINE_integer("lines_per_request", 1, "Input lines in each request.", lower_bound=1)
+  flags.DEFINE_integer("max_batch", 32, "The server's --max_batch.", lower_bound=1)
+  flags.DEFINE_float("max_wait_ms", 5.0, "The server's --max_wait_ms.", lower_bound=0.0)
+  flags.DEFINE_float("time_limit", 600.0, "Seconds after which the timed loop stops early.",
+                     lower_bound=0.0)
+  flags.DEFINE_string("request_log", None, "The server's per-request log (serve "
+                      "--request_log); the timed requests are summarised from it.")
+  flags.DEFINE_bool("json", False, "Print one JSON object instead of a line.")
 
 
 def _client(url: str) -> http.client.HTTPConnection:
@@ -129,7 +151,11 @@ def start_server(model: str, max_batch: int, max_wait_ms: float, timeout: float 
     except OSError:
       time.sleep(0.5)
   process.kill()
-  raise RuntimeError(f"the server did not start: {process.communicate()[0]}")
+  output = process.communicate()[0]
+  if process.returncode == errors.EXIT_STATUS:      # the server's own one-line user error
+    raise errors.UserError("the server did not start: "
+                           + output.strip().splitlines()[-1].removeprefix("error: "))
+  raise RuntimeError(f"the server did not start: {output}")
 
 
 def _count_lines(path: str | None) -> int:
@@ -162,61 +188,64 @@ def where_the_time_went(path: str, skip: int) -> dict[str, dict[str, float]]:
           "slowest_1pct": summary(records[-max(1, len(records) // 100):])}
 
 
-def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--model", required=True, help="artifact directory")
-  parser.add_argument("--inputs", required=True, help="input lines, one per line")
-  parser.add_argument("--requests", type=int, default=200)
-  parser.add_argument("--clients", type=int, default=8)
-  parser.add_argument("--lines_per_request", type=int, default=1)
-  parser.add_argument("--max_batch", type=int, default=32)
-  parser.add_argument("--max_wait_ms", type=float, default=5.0)
-  parser.add_argument("--time_limit", type=float, default=600.0)
-  parser.add_argument("--request_log", help="the server's per-request log (serve "
-                      "--request_log); the timed requests are summarised from it")
-  parser.add_argument("--json", action="store_true")
-  args = parser.parse_args(argv)
-  if min(args.requests, args.clients, args.lines_per_request) < 1:
-    parser.error("--requests, --clients and --lines_per_request must be >= 1")
-  from transformer_jax.serving import Served
-  with open(args.inputs) as f:
+def _read_inputs(path: str) -> list[str]:
+  if not os.path.isfile(path):
+    raise errors.MissingFileError(f"--inputs={path}: no such file")
+  with open(path) as f:
     lines = [line.rstrip("\n") for line in f]
   if not lines:
-    parser.error(f"{args.inputs} has no lines")
-  n = args.lines_per_request
+    raise errors.UserError(f"--inputs={path} has no lines")
+  return lines
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise errors.UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+  from transformer_jax.serving import ArtifactError, Served
+  lines = _read_inputs(FLAGS.inputs)
+  try:
+    served = Served.load(FLAGS.model)
+  except (ArtifactError, FileNotFoundError) as e:
+    raise errors.UserError(f"--model={FLAGS.model}: {e}") from e
+  try:
+    expected = dict(zip(lines, served.predict(lines)))
+  except errors.UserError as e:       # a line the model cannot take ("input I", from 0)
+    raise errors.UserError(f"--inputs={FLAGS.inputs}: {e}") from e
+  n = FLAGS.lines_per_request
   requests_lines = [[lines[(i + j) % len(lines)] for j in range(n)] for i in range(len(lines))]
-  expected = dict(zip(lines, Served.load(args.model).predict(lines)))
-  log_args = [f"--request_log={args.request_log}"] if args.request_log else []
-  process, url = start_server(args.model, args.max_batch, args.max_wait_ms,
+  log_args = [f"--request_log={FLAGS.request_log}"] if FLAGS.request_log else []
+  process, url = start_server(FLAGS.model, FLAGS.max_batch, FLAGS.max_wait_ms,
                               extra_args=log_args)
   try:
     # Warm-up, untimed: every request shape compiles once, alone and batched by 8 clients.
     run_load(url, requests_lines, expected, requests=len(requests_lines), clients=1)
     run_load(url, requests_lines, expected, requests=4 * len(requests_lines), clients=8)
-    logged = _count_lines(args.request_log)
-    report = run_load(url, requests_lines, expected, requests=args.requests,
-                      clients=args.clients, time_limit=args.time_limit)
-    if args.request_log:
-      report["where"] = where_the_time_went(args.request_log, logged)
+    logged = _count_lines(FLAGS.request_log)
+    report = run_load(url, requests_lines, expected, requests=FLAGS.requests,
+                      clients=FLAGS.clients, time_limit=FLAGS.time_limit)
+    if FLAGS.request_log:
+      report["where"] = where_the_time_went(FLAGS.request_log, logged)
   finally:
     process.terminate()
     process.wait(timeout=60)
   report.update(date=datetime.date.today().isoformat(), machine=platform.platform(),
-                cpus=os.cpu_count(), lines_per_request=n, max_batch=args.max_batch,
-                max_wait_ms=args.max_wait_ms, model=args.model)
-  if args.json:
+                cpus=os.cpu_count(), lines_per_request=n, max_batch=FLAGS.max_batch,
+                max_wait_ms=FLAGS.max_wait_ms, model=FLAGS.model)
+  if FLAGS.json:
     print(json.dumps(report))
   else:
-    print(f"{report['ok']}/{args.requests} requests ok, {report['wrong']} wrong, "
-          f"{len(report['errors'])} errors; {args.clients} clients, {n} line(s) each: "
+    print(f"{report['ok']}/{FLAGS.requests} requests ok, {report['wrong']} wrong, "
+          f"{len(report['errors'])} errors; {FLAGS.clients} clients, {n} line(s) each: "
           f"{report['requests_per_s']:.1f} requests/s, p50 {report['p50_ms']:.1f} ms, "
           f"p99 {report['p99_ms']:.1f} ms")
     if "where" in report:
       for group, values in report["where"].items():
         print(f"  {group}: " + ", ".join(f"{k} {v:.3g}" for k, v in values.items()))
   if report["wrong"] or report["errors"]:
+    # A failure of the server under test, not of the user's input: status 1, not 2.
     sys.exit(1)
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  errors.run(main)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from benchmarks import common
-from transformer_jax import convert
+from transformer_jax import convert, errors
 from transformer_jax.config import PAD_ID, TransformerConfig
 from transformer_jax.modules.embedding import sinusoidal_table
 
@@ -31,8 +31,8 @@ try:
   from torch import nn
   import torch.nn.functional as F
 except ImportError as e:  # pragma: no cover - depends on the environment
-  raise SystemExit("--compare=torch needs PyTorch: pip install -r "
-                   "benchmarks/requirements-torch.txt") from e
+  raise errors.UserError("--compare=torch needs PyTorch: pip install -r "
+                         "benchmarks/requirements-torch.txt") from e
 
 
 class TorchTransformer(nn.Module):
@@ -42,7 +42,8 @@ class TorchTransformer(nn.Module):
   def __init__(self, cfg: TransformerConfig, label_smoothing: float):
     super().__init__()
     if not (cfg.share_embeddings and cfg.tie_output):
-      raise SystemExit("--compare=torch supports shared, tied embeddings (the paper's)")
+      raise errors.UserError("--compare=torch supports shared, tied embeddings (the paper's): "
+                             "set model.share_embeddings and model.tie_output")
     d, pre = cfg.d_model, cfg.norm_position == "pre"
     self.config = cfg
     self.d_model, self.label_smoothing = d, label_smoothing

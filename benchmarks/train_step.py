@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import jax
 import flax.linen as nn
-from absl import app, flags, logging
+from absl import flags, logging
 
 from benchmarks import common
 from transformer_jax import errors
@@ -65,12 +65,12 @@ def prepare_jax(s: common.Setup, batch: dict) -> tuple[dict[str, Any], Callable[
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    raise errors.UserError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)
   s = common.setup()
   if FLAGS.packed and FLAGS.compare:
-    raise app.UsageError("--packed has no PyTorch counterpart (torch.nn.Transformer takes no "
-                         "segment ids); drop --compare or --packed")
+    raise errors.UserError("--packed has no PyTorch counterpart (torch.nn.Transformer takes no "
+                           "segment ids); drop --compare or --packed")
   batch = common.random_batch(s, FLAGS.seed, packed=FLAGS.packed)
   tokens = common.count_tokens(batch)
   flops = model_flops(s.model, s.batch_size, s.src_length, s.tgt_length)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from transformer_jax import Transformer
+from transformer_jax import Transformer, errors
 from transformer_jax.config import BOS_ID, PAD_ID
 from transformer_jax.flops import model_flops
 
@@ -171,8 +171,26 @@ def test_seeds_reads_each_runs_final_metrics_and_summarises_them(tmp_path):
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
   assert seeds.final_metrics(str(tmp_path), ["eval/f1", "test/f1"]) == {
       "eval/f1": 86.0, "test/f1": 83.0}
-  with pytest.raises(SystemExit, match="eval/bleu"):
+  with pytest.raises(errors.UserError, match="eval/bleu"):
     seeds.final_metrics(str(tmp_path), ["eval/bleu"])
   mean, std = seeds.summary([85.0, 86.0, 90.0])
   assert mean == pytest.approx(87.0) and std == pytest.approx(np.std([85, 86, 90], ddof=1))
   assert seeds.summary([84.0]) == (84.0, 0.0)
+
+
+def test_command_lines_report_user_errors_in_one_line(tmp_path):
+  """A bad flag value, a missing required flag and a missing input file each end the
+  command before any work with one `error:` line naming the flag, and status 2
+  (transformer_jax/errors.py)."""
+  missing = tmp_path / "missing.txt"
+  cases = {("benchmarks.seeds", "--config=configs/default.py", f"--workdir={tmp_path}",
+            "--seeds=0,x"): "--seeds=0,x",
+           ("benchmarks.serve_load", f"--model={tmp_path}"): "--inputs",
+           ("benchmarks.ctranslate2_speed", f"--checkpoint={tmp_path}",
+            f"--inputs={missing}"): f"--inputs={missing}"}
+  for (module, *args), culprit in cases.items():
+    out = _run(module, *args, check=False)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert len(lines) == 1 and culprit in lines[0], out.stderr[-3000:]
+  assert not os.listdir(tmp_path)        # nothing trained or written
