@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax import trees
 from transformer_jax.config import PAD_ID
 from transformer_jax.serving import artifact
 from transformer_jax.serving.artifact import ArtifactError
@@ -46,12 +47,6 @@ _EXPORT_PLATFORM = {"gpu": "cuda"}
 
 
 # ----------------------------------------------------------------------------- writing
-# This module's own flattening of a parameter tree into named arrays (the names are the
-# params.npz keys and the manifest's "params").
-def _param_name(path: tuple) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def _storable(x: np.ndarray) -> np.ndarray:
   """NumPy's .npz has no bfloat16: such arrays are stored as same-width unsigned ints and
   viewed back on load (the manifest keeps the real dtype)."""
@@ -68,8 +63,9 @@ def write_artifact(task: Any, params: Any, decode: Any, output: str, *,
   jax.export platforms (default: this machine's). `source`: provenance for the manifest."""
   if os.path.exists(output) and os.listdir(output):    # before the export's minutes
     raise FileExistsError(f"{output} exists and is not empty; choose another --output")
+  # The names are the params.npz keys and the manifest's "params".
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  names = [_param_name(path) for path, _ in leaves]
+  names = [trees.path_name(path) for path, _ in leaves]
   arrays = [np.asarray(x) for _, x in leaves]
   inference = task.serving_function(decode)
   word_bytes = task.serving_word_bytes()
