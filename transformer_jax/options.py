@@ -284,6 +284,12 @@ class RunOptions:
     return cls(train=TrainOptions.from_dict(given), model=dict(given.get("model", {})),
                as_given=given, **groups)  # type: ignore[arg-type]
 
+  @classmethod
+  def parse(cls, config: Any) -> "RunOptions":
+    """`config` parsed (an ml_collections ConfigDict or a saved dict), or returned as it is
+    if it already is RunOptions: what commands and the setup accept."""
+    return config if isinstance(config, RunOptions) else cls.from_config(config)
+
   def with_batch_size(self, batch_size: int) -> "RunOptions":
     """The same run with another global batch (aot's planning searches)."""
     return dataclasses.replace(

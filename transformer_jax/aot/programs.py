@@ -50,13 +50,8 @@ class Program:
   tokens: int | None
 
 
-def parse(config: Any) -> RunOptions:
-  """The run's options: `config` parsed (an ml_collections config), or already parsed."""
-  return config if isinstance(config, RunOptions) else RunOptions.from_config(config)
-
-
 def run_settings(config: Any) -> RunSettings:
-  options = parse(config)
+  options = RunOptions.parse(config)
   return RunSettings(
       batch_size=options.train.batch_size, grad_accum_steps=options.train.grad_accum_steps,
       max_length=options.data.max_length,
@@ -67,7 +62,7 @@ def run_settings(config: Any) -> RunSettings:
 
 def with_batch(config: Any, batch_size: int) -> RunOptions:
   """The run with another global batch size (the batch search)."""
-  return parse(config).with_batch_size(batch_size)
+  return RunOptions.parse(config).with_batch_size(batch_size)
 
 
 def _vocab_size(data: DataOptions) -> int:
@@ -84,7 +79,7 @@ def _vocab_size(data: DataOptions) -> int:
 
 def experiment_for(config: Any, mesh: jax.sharding.Mesh) -> Experiment:
   """The run's setup as train.py builds it, on `mesh`, without reading any data."""
-  options = parse(config)
+  options = RunOptions.parse(config)
   vocab_size = _vocab_size(options.data)
   separate = None if options.data.shared_vocab else vocab_size
   experiment = Experiment.create(options, data=False, vocab_sizes=(vocab_size, separate),
@@ -102,7 +97,7 @@ def build_programs(config: Any, mesh: jax.sharding.Mesh,
   state; the eval step on the longest evaluation bucket; beam search as evaluation runs it
   (parameters in their training layout, the source rows as a host array: replicated). All
   three come from the run's Experiment, as in train.py."""
-  options = parse(config)
+  options = RunOptions.parse(config)
   experiment = experiment_for(options, mesh)
   model_cfg = experiment.model_config
   state, state_sharding = experiment.abstract_state()

@@ -150,7 +150,7 @@ class Experiment:
     data.labels. `devices`: the mesh's devices (default: all of this process's backend);
     `mesh`: a ready mesh instead of config.mesh over them (aot's layout sweep). `config`:
     the ml_collections config (or RunOptions already parsed from one)."""
-    options = config if isinstance(config, RunOptions) else RunOptions.from_config(config)
+    options = RunOptions.parse(config)
     task_cls = tasks.task_class(options.train.task)
     # Every config field and the mesh first: reading data and training a tokenizer can take
     # minutes, and nothing may be written to the workdir for a config that cannot run.

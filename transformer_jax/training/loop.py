@@ -161,7 +161,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   metrics. Holds the workdir for the run (a second trainer there is refused) and checks
   that checkpoints can be written there before anything else. `config`: the ml_collections
   config (or the RunOptions parsed from one)."""
-  options = config if isinstance(config, RunOptions) else RunOptions.from_config(config)
+  options = RunOptions.parse(config)
   distributed = options.distributed
   if distributed.initialize:     # before anything touches the devices
     sharding.initialize_distributed(distributed.coordinator_address,
