@@ -35,10 +35,9 @@ class Predictor:
   """Loads a model once (see the module doc for which) and predicts batches of lines."""
 
   def __init__(self, workdir: str | None = None, checkpoint_path: str | None = None):
-    self.path, (model, self.params) = checkpoint.load_newest(workdir, self._load,
-                                                             checkpoint_path)
+    self.path, (model, self.task, self.params) = checkpoint.load_newest(
+        workdir, self._load, checkpoint_path)
     self.step, self.saved_config = model.step, upgrade(model.config)
-    self.task = self._task(model)
     self.decode = DecodeOptions.from_dict(self.saved_config.get("decode"))
 
   @staticmethod
@@ -53,11 +52,11 @@ class Predictor:
                                  labels=model.assets.labels)
 
   @classmethod
-  def _load(cls, path: str) -> tuple[checkpoint.ModelRecord, object]:
+  def _load(cls, path: str) -> tuple[checkpoint.ModelRecord, tasks.Task, object]:
     model = checkpoint.read_record(path)
     task = cls._task(model)
     abstract = nn.meta.unbox(jax.eval_shape(task.init_params, jax.random.PRNGKey(0)))
-    return model, checkpoint.restore_params(path, abstract)
+    return model, task, checkpoint.restore_params(path, abstract)
 
   @property
   def model_config(self):
