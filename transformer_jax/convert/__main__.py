@@ -19,13 +19,13 @@ def define_flags() -> None:
                       "torch state_dict file (.safetensors, or .pt with --allow_pickle).")
   flags.DEFINE_string("output", None, "Export: the directory (hf_marian) or file (torch: "
                       ".safetensors, else torch.save) to write.")
-  flags.DEFINE_string("workdir", None, "Import: where to write exports/<name>; export: "
-                      "whose newest model to convert.")
-  flags.DEFINE_string("checkpoint", None, "Export this export or checkpoint directory "
-                      "instead of the workdir's newest.")
+  flags.DEFINE_string("workdir", None, "Import: where to write the parameter snapshot "
+                      "exports/<name>; export: whose newest model to convert.")
+  flags.DEFINE_string("checkpoint", None, "Export this parameter snapshot or checkpoint "
+                      "directory instead of the workdir's newest.")
   flags.DEFINE_string("name", None, "Import: the parameter snapshot's name under "
                       "W/exports/ (default: the format).")
-  flags.DEFINE_string("like", None, "--from=torch: an export, checkpoint or workdir whose "
+  flags.DEFINE_string("like", None, "--from=torch: a parameter snapshot, checkpoint or workdir whose "
                       "config and tokenizer the state_dict goes with.")
   flags.DEFINE_bool("allow_pickle", False, "Read pickled torch files (pytorch_model.bin, "
                     ".pt) with torch.load(weights_only=True).")
