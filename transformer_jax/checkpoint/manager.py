@@ -111,14 +111,20 @@ def _check_items(arrays: dict[str, Any]) -> None:
 class _WithoutSaveFailureTracebacks(std_logging.Filter):
   """Orbax logs a failed background save from each of its threads (with tracebacks), and
   asyncio then logs every future whose error nobody read; the failure is raised to the
-  trainer as one CheckpointWriteError instead."""
-  _MESSAGES = ("background save thread", "Finalize thread", "raised an exception",
-               "exception was never retrieved")
+  trainer as one CheckpointWriteError instead. Only records that repeat a write failure are
+  dropped: Orbax's own save-thread messages, or a record whose error or text is one that
+  `write_failure_reason` recognises."""
+  _ORBAX_THREADS = ("background save thread", "Finalize thread")
 
   def filter(self, record: std_logging.LogRecord) -> bool:
+    if tracebacks_wanted() or record.levelno < std_logging.ERROR:
+      return True
     message = record.getMessage()
-    return tracebacks_wanted() or not (record.levelno >= std_logging.ERROR and any(
-        m in message for m in self._MESSAGES))
+    error = record.exc_info[1] if record.exc_info else None
+    repeats_failure = (any(m in message for m in self._ORBAX_THREADS)
+                       or write_failure_reason(error) is not None
+                       or _OS_ERROR_CODE.search(message) is not None)
+    return not repeats_failure
 
 
 def _quiet_closed_event_loops() -> None:
