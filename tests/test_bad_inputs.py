@@ -522,6 +522,24 @@ def test_a_config_file_that_fails_to_load_is_named_with_its_line(tmp_path, body,
   assert not os.path.exists(tmp_path / "w")
 
 
+_WRITE_REFUSED = """
+import errno
+from transformer_jax import errors
+def main(argv):
+  raise OSError(errno.ENOSPC, "No space left on device", "W/metrics.jsonl")
+errors.run(main)
+"""
+
+
+def test_a_write_the_file_system_refuses_outside_a_checkpoint_is_one_line():
+  """A full disk while metrics, tokenizers or outputs are written (not only checkpoints)."""
+  status, output = finish(start("-c", _WRITE_REFUSED))
+  assert status == 2 and "Traceback" not in output
+  assert output.strip().splitlines() == [
+      "error: W/metrics.jsonl: no space left on device (free space or choose another "
+      "directory; a training run resumes from its last checkpoint)"]
+
+
 def test_write_failures_are_recognised_in_every_form_orbax_gives():
   from transformer_jax.checkpoint.manager import write_failure_reason
   tensorstore = ValueError('RESOURCE_EXHAUSTED: Error writing "params.x/0" in OCDBT database '

@@ -13,6 +13,7 @@ is a bug or an environment failure and keeps its traceback.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import sys
@@ -50,9 +51,24 @@ def exit_with(error: BaseException) -> NoReturn:
   raise SystemExit(EXIT_STATUS)
 
 
+# A file system that refuses writes (full, over quota, read-only): the user frees space or
+# picks another directory; whatever wrote last (metrics, a tokenizer, an output) is named.
+_REFUSED_WRITES = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def refused_write(error: OSError) -> UserError | None:
+  """The user error for an OSError of a file system that refuses writes, else None."""
+  if error.errno not in _REFUSED_WRITES:
+    return None
+  where = f"{error.filename}: " if error.filename else ""
+  return UserError(f"{where}{(error.strerror or str(error)).lower()} (free space or choose "
+                   "another directory; a training run resumes from its last checkpoint)")
+
+
 def user_errors(main: F) -> F:
-  """Decorator: a UserError raised by `main` ends the program with one line and status 2
-  (re-raised with its traceback when tracebacks are wanted)."""
+  """Decorator: a UserError raised by `main`, or a write the file system refuses (disk
+  full, read-only), ends the program with one line and status 2 (re-raised with its
+  traceback when tracebacks are wanted)."""
   @functools.wraps(main)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
     try:
@@ -61,6 +77,11 @@ def user_errors(main: F) -> F:
       if tracebacks_wanted():
         raise
       exit_with(e)
+    except OSError as e:
+      problem = refused_write(e)
+      if problem is None or tracebacks_wanted():
+        raise
+      exit_with(problem)
   return wrapped  # type: ignore[return-value]
 
 
