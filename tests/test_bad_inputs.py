@@ -466,11 +466,11 @@ def test_a_checkpoint_write_failure_ends_the_run_with_one_line(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-  """A 1 MiB tmpfs: a tiny-model checkpoint takes about 430 KiB, so the run's third does not fit.
-  Needs the right to mount (root, as on this project's machines and CI); skipped elsewhere."""
+  """An 8 MiB tmpfs the test can fill. Needs the right to mount (root, as on this project's
+  machines and CI); skipped elsewhere."""
   mount_point = tmp_path / "small_disk"
   mount_point.mkdir()
-  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs",
+  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs",
                             str(mount_point)], capture_output=True)
   if mounted.returncode != 0:
     pytest.skip("cannot mount a small tmpfs here (needs root)")
@@ -482,10 +482,19 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_during_a_save_ends_the_run_with_one_line(small_disk):
   """Orbax/TensorStore report ENOSPC as ValueError("RESOURCE_EXHAUSTED ... [os_error_code=
-  '28']") from several threads: still one line, status 2, the earlier checkpoint intact."""
+  '28']") from several threads: still one line, status 2, the earlier checkpoint intact.
+  Deterministic: a first run saves checkpoint 2; then the disk is filled to 64 KiB free (a
+  tiny-model checkpoint takes about 430 KiB) and the same run resumes towards step 6."""
   workdir = os.path.join(small_disk, "w")
-  process = subprocess.run([sys.executable, "train.py", f"--workdir={workdir}", *TINY_FLAGS],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120,
+  command = [sys.executable, "train.py", f"--workdir={workdir}", *TINY_FLAGS]
+  first = subprocess.run([*command, "--config.num_train_steps=2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+  assert first.returncode == 0, first.stderr[-3000:]
+  disk = os.statvfs(small_disk)
+  with open(os.path.join(small_disk, "filler"), "wb") as filler:
+    filler.write(b"\0" * (disk.f_bavail * disk.f_frsize - 64 * 1024))
+  process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120,
                            env={**os.environ, "PYTHONPATH": ROOT})
   assert process.returncode == 2, process.stderr[-3000:]
   errors_ = [line for line in process.stderr.splitlines() if line.startswith("error:")]
@@ -494,8 +503,8 @@ def test_a_full_disk_during_a_save_ends_the_run_with_one_line(small_disk):
   steps = [int(name) for name in os.listdir(os.path.join(workdir, "checkpoints"))
            if name.isdigit()]
   from transformer_jax.checkpoint import read_record
-  assert steps and max(steps) < 6, steps          # the run had 6 steps; the last save failed
-  assert read_record(os.path.join(workdir, "checkpoints", str(max(steps)))).step == max(steps)
+  assert steps == [2], steps          # the save at step 4 failed; checkpoint 2 is untouched
+  assert read_record(os.path.join(workdir, "checkpoints", "2")).step == 2
 
 
 def test_a_learning_rate_that_makes_the_loss_nan_is_a_user_error(tmp_path):
