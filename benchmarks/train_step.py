@@ -30,7 +30,7 @@ from transformer_jax.params import count_params
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
 from transformer_jax.training.state import create_train_state
 from transformer_jax.training.steps import make_train_step
-from transformer_jax.tasks import TranslationTask
+from transformer_jax.tasks import Seq2SeqTask
 
 flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s for MFU (default: the known dense "
                    "peak of the accelerator for the dtype, or a measured matmul rate).")
@@ -43,7 +43,7 @@ FLAGS = flags.FLAGS
 def prepare_jax(s: common.Setup, batch: dict) -> tuple[dict[str, Any], Callable[[], None]]:
   """Compiles the trainer's step: (facts about it, a call that runs one step)."""
   cfg = s.config
-  task = TranslationTask(s.model, label_smoothing=cfg.label_smoothing)
+  task = Seq2SeqTask(s.model, label_smoothing=cfg.label_smoothing)
   schedule = make_schedule(cfg.optimizer, s.model.d_model, cfg.num_train_steps)
   optimizer = make_optimizer(cfg.optimizer, schedule)
   params = jax.jit(lambda key: nn.meta.unbox(task.init_params(key)))(

@@ -27,7 +27,7 @@ from transformer_jax.data.readers import DataFormatError
 from transformer_jax.data.text_data import TextData
 from transformer_jax.data.tokenizer import SentencePieceTokenizer, WordVocab, load_tokenizer
 from transformer_jax.data.vocab import SymbolVocab
-from transformer_jax.tasks import TranslationTask
+from transformer_jax.tasks import Seq2SeqTask
 
 DIGITS = SymbolVocab([str(d) for d in range(10)])
 
@@ -219,13 +219,13 @@ def test_tokenizer_is_trained_once_and_reused_from_the_workdir(tmp_path):
   _multi30k_like(tmp_path / "a", [(t.upper(), t) for t in TEXTS])
   _multi30k_like(tmp_path / "b", [("xyz " * 5, "qqq " * 3)] * 50)
   workdir = str(tmp_path / "work")
-  first = TextData(TranslationTask, local_corpus(TranslationTask, config), config, 0, workdir)
+  first = TextData(Seq2SeqTask, local_corpus(Seq2SeqTask, config), config, 0, workdir)
   assert "trained" in first.summary and os.path.exists(os.path.join(workdir, "vocab.json"))
   config = dataclasses.replace(config, dir=str(tmp_path / "b"))
-  second = TextData(TranslationTask, local_corpus(TranslationTask, config), config, 0, workdir)
+  second = TextData(Seq2SeqTask, local_corpus(Seq2SeqTask, config), config, 0, workdir)
   assert "loaded" in second.summary
   assert second.tokenizer.model_proto == first.tokenizer.model_proto
-  fresh = TextData(TranslationTask, local_corpus(TranslationTask, config), config, 0, str(tmp_path / "other"))
+  fresh = TextData(Seq2SeqTask, local_corpus(Seq2SeqTask, config), config, 0, str(tmp_path / "other"))
   assert fresh.tokenizer.model_proto != first.tokenizer.model_proto   # Control.
 
 
@@ -334,7 +334,7 @@ def test_separate_source_and_target_vocabularies(tmp_path):
       vocab_size=80, shared_vocab=False))
   _multi30k_like(tmp_path / "a", [(t.upper(), t) for t in TEXTS])
   workdir = str(tmp_path / "work")
-  data = TextData(TranslationTask, local_corpus(TranslationTask, config), config, 0, workdir)
+  data = TextData(Seq2SeqTask, local_corpus(Seq2SeqTask, config), config, 0, workdir)
   assert data.target_tokenizer is not data.tokenizer
   assert os.path.exists(os.path.join(workdir, "target_vocab.json"))
   assert data.tokenizer.pieces("A DOG") != data.target_tokenizer.pieces("A DOG")
@@ -342,7 +342,7 @@ def test_separate_source_and_target_vocabularies(tmp_path):
   for batch in data.eval_batches(task, "val", batch_size=4, limit=3):
     for row, record in zip(batch.arrays["tgt_out"], batch.records):
       assert data.target_tokenizer.decode(row) == record["target"]
-  reloaded = TextData(TranslationTask, local_corpus(TranslationTask, config), config, 0, workdir)
+  reloaded = TextData(Seq2SeqTask, local_corpus(Seq2SeqTask, config), config, 0, workdir)
   assert reloaded.target_tokenizer.model_proto == data.target_tokenizer.model_proto
   assert reloaded.tokenizer.model_proto == data.tokenizer.model_proto
   # The model gets both sizes; one shared embedding table cannot serve two vocabularies.
@@ -351,8 +351,8 @@ def test_separate_source_and_target_vocabularies(tmp_path):
   run = multi30k.get_config()
   sizes = (data.tokenizer.vocab_size, data.target_tokenizer.vocab_size)
   with pytest.raises(ValueError, match="share_embeddings"):
-    model_config(run, TranslationTask, *sizes)
+    model_config(run, Seq2SeqTask, *sizes)
   run.model.share_embeddings = False
-  cfg, _ = model_config(run, TranslationTask, *sizes)
+  cfg, _ = model_config(run, Seq2SeqTask, *sizes)
   assert (cfg.vocab_size, cfg.tgt_vocab_size) == (data.tokenizer.vocab_size,
                                                   data.target_tokenizer.vocab_size)

@@ -11,7 +11,7 @@ import pytest
 from conftest import tiny_config
 from transformer_jax import TransformerConfig
 from transformer_jax.flops import matmul_flops, model_flops, weights_per_token
-from transformer_jax.tasks import TranslationTask
+from transformer_jax.tasks import Seq2SeqTask
 
 
 def _batch(batch: int, src_length: int, tgt_length: int) -> dict:
@@ -29,7 +29,7 @@ def _batch(batch: int, src_length: int, tgt_length: int) -> dict:
 def test_formula_counts_every_matmul_of_training_and_inference(overrides, shape):
   cfg = tiny_config(**overrides)
   batch = _batch(*shape)
-  task = TranslationTask(cfg, label_smoothing=0.1)
+  task = Seq2SeqTask(cfg, label_smoothing=0.1)
   params = jax.eval_shape(lambda: nn.meta.unbox(task.init_params(jax.random.PRNGKey(0))))
   train = lambda p: jax.grad(lambda p: task.loss_sums(p, batch, jax.random.PRNGKey(0),
                                                       True)["loss"])(p)

@@ -18,7 +18,7 @@ from transformer_jax.checkpoint import TrainCheckpoints
 from transformer_jax.training.state import (checkpoint_arrays, create_train_state,
                                             new_train_state, state_from_checkpoint)
 from transformer_jax.training.steps import make_eval_step, make_train_step
-from transformer_jax.tasks import TranslationTask
+from transformer_jax.tasks import Seq2SeqTask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = {                      # the issue's layouts on 8 devices
@@ -46,7 +46,7 @@ def _batch(rows: int = 16) -> dict[str, np.ndarray]:
           "tgt_out": np.concatenate([tgt, eos], 1)}
 
 
-TASK = TranslationTask(CFG, label_smoothing=0.1)
+TASK = Seq2SeqTask(CFG, label_smoothing=0.1)
 
 
 def _init_fn(batch):
@@ -180,7 +180,7 @@ def test_parameters_and_optimizer_state_are_sharded_as_the_rules_say():
 @needs_8_devices
 def test_indivisible_dimensions_are_replicated_not_refused():
   cfg = tiny_config(num_heads=2)                        # 2 heads cannot split 4 ways
-  task = TranslationTask(cfg)
+  task = Seq2SeqTask(cfg)
   init = lambda: new_train_state(task.init_params(jax.random.PRNGKey(0)), OPTIMIZER, 0)
   state, _ = sharding.create_sharded(init, sharding.make_mesh(dict(data=2, tensor=4)))
   assert _spec(state, "['query']['kernel']") == jax.sharding.PartitionSpec("fsdp", None, None)
@@ -247,7 +247,7 @@ def test_scanned_fused_model_shards_and_matches_one_device():
   (replicated), the other axes shard as the rules say, and the sharded model computes the
   one-device loss."""
   cfg = CFG.replace(scan_layers=True, fused_qkv=True, dropout_rate=0.0)
-  task = TranslationTask(cfg, label_smoothing=0.1)
+  task = Seq2SeqTask(cfg, label_smoothing=0.1)
   batch = _batch()
   params = task.init_params(jax.random.PRNGKey(0))
   want = make_eval_step(task)(nn.meta.unbox(params), batch)

@@ -26,7 +26,7 @@ from transformer_jax.modules.models import REMAT_POLICIES
 from transformer_jax.params import fuse_qkv, split_qkv, stack_layers, unstack_layers
 from transformer_jax.training.state import create_train_state
 from transformer_jax.training.steps import make_train_step
-from transformer_jax.tasks import TranslationTask
+from transformer_jax.tasks import Seq2SeqTask
 
 LAYERS = dict(num_encoder_layers=2, num_decoder_layers=3)   # unequal: stacks kept apart
 
@@ -188,7 +188,7 @@ def test_cudnn_falls_back_to_xla_off_gpu():
 
 # ------------------------------------------------------------------------ train step
 def _train_setup(cfg, optimizer):
-  task = TranslationTask(cfg, label_smoothing=0.1)
+  task = Seq2SeqTask(cfg, label_smoothing=0.1)
   return task, make_train_step(task, optimizer, optax.constant_schedule(1.0))
 
 

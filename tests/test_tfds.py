@@ -28,7 +28,7 @@ def _data(**fields) -> DataOptions:
 
 def test_records_of_each_kind_from_mock_data():
   with tfds.testing.mock_data(num_examples=7):
-    wmt = tfds_corpus(tasks.TranslationTask, _data(name="wmt14_translate/de-en", source_language="en",
+    wmt = tfds_corpus(tasks.Seq2SeqTask, _data(name="wmt14_translate/de-en", source_language="en",
                                        target_language="de", test_split="test"))
     pairs = wmt.split("validation")
     assert len(pairs) == 7 and wmt.labels is None

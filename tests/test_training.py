@@ -40,7 +40,7 @@ from transformer_jax.training.optimizers import (make_optimizer, make_schedule,
                                                  paper_schedule)
 from transformer_jax.training.state import create_train_state
 from transformer_jax.training.steps import make_train_step
-from transformer_jax.tasks import TranslationTask
+from transformer_jax.tasks import Seq2SeqTask
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -225,7 +225,7 @@ def _model_config(dropout: float = 0.0) -> TransformerConfig:
       num_encoder_layers=1, num_decoder_layers=1, max_len=16, dropout_rate=dropout)
 
 
-class ScaledLossTask(TranslationTask):
+class ScaledLossTask(Seq2SeqTask):
   """Multiplies the loss by the mean of batch["loss_scale"] (one value per example, so
   micro-batching splits it too) when present: NaN there makes a step's loss and gradient
   non-finite on demand, without another compilation."""

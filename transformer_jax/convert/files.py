@@ -20,7 +20,7 @@ from transformer_jax.config import TransformerConfig
 from transformer_jax.convert.tensors import ConvertError
 from transformer_jax.data.tokenizer import tokenizer_item
 from transformer_jax.options import TrainOptions, upgrade
-from transformer_jax.tasks import TranslationTask
+from transformer_jax.tasks import Seq2SeqTask
 
 
 def read_json(path: str) -> dict:
@@ -78,9 +78,9 @@ def load_ours(workdir: str | None, checkpoint_path: str | None, purpose: str) ->
       workdir, lambda p: (checkpoint.read_record(p), checkpoint.restore_params(p)),
       checkpoint_path)
   task = TrainOptions.from_dict(upgrade(record.config)).task
-  if task != TranslationTask.name:
+  if task != Seq2SeqTask.name:
     raise ConvertError(f"{path}: convert {purpose} converts translation models "
-                       f"(task={TranslationTask.name!r}) only; this is a task={task!r} model")
+                       f"(task={Seq2SeqTask.name!r}) only; this is a task={task!r} model")
   cfg = TransformerConfig.from_dict(record.config["model"])
   params = jax.tree_util.tree_map(np.asarray, params)
   if cfg.scan_layers:

@@ -10,12 +10,12 @@ from transformer_jax.config import TransformerConfig
 from transformer_jax.tasks.base import EvalBatch, Task
 from transformer_jax.tasks.classification import ClassificationTask
 from transformer_jax.tasks.tagging import TaggingTask
-from transformer_jax.tasks.translation import TranslationTask
+from transformer_jax.tasks.seq2seq import Seq2SeqTask
 from transformer_jax.errors import UserError
 from transformer_jax.options import TrainOptions
 
 TASKS: dict[str, type[Task]] = {
-    t.name: t for t in (TranslationTask, ClassificationTask, TaggingTask)}
+    t.name: t for t in (Seq2SeqTask, ClassificationTask, TaggingTask)}
 
 
 def task_class(name: str) -> type[Task]:
@@ -43,5 +43,5 @@ def from_run_config(run_config: Mapping[str, Any], *, tokenizer: Any = None,
              target_tokenizer=target_tokenizer, labels=labels, head=head)
 
 
-__all__ = ["TASKS", "Task", "EvalBatch", "TranslationTask", "ClassificationTask",
+__all__ = ["TASKS", "Task", "EvalBatch", "Seq2SeqTask", "ClassificationTask",
            "TaggingTask", "task_class", "split_model_fields", "from_run_config"]

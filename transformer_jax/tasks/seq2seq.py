@@ -1,5 +1,6 @@
-"""Translation (sequence to sequence): encoder-decoder training with teacher forcing,
-evaluation by beam search scored with sacreBLEU and exact match.
+"""Sequence to sequence (config task="seq2seq": translation, or the synthetic digit jobs):
+encoder-decoder training with teacher forcing, evaluation by beam search scored with sacreBLEU
+and exact match.
 
 Records: {"source": str, "target": str}. Batch keys: src, tgt_in (BOS + target), tgt_out
 (target + EOS), and for packed rows src/tgt_positions and src/tgt_segment_ids.
@@ -24,7 +25,7 @@ from transformer_jax.tasks.base import (Batch, EvalBatch, EvalStep, Example, Sam
 from transformer_jax.tasks.losses import cross_entropy_sums
 
 
-class TranslationTask(Task):
+class Seq2SeqTask(Task):
   name = "seq2seq"
   record_keys = ("source", "target")
   sequence_keys = ("src", "tgt_in", "tgt_out")
