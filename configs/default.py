@@ -4,7 +4,18 @@ Runs offline on a 2-core CPU in a few minutes: `python train.py`.
 Every field can be overridden: `python train.py --config.num_train_steps=500`.
 """
 
+import dataclasses
+
 import ml_collections
+
+from transformer_jax.config import TransformerConfig
+
+
+def model_defaults() -> dict:
+  """Every TransformerConfig field but the vocabulary sizes (those come from the data), at
+  its default, so that each one can be set from a config file or the command line."""
+  return {field.name: field.default for field in dataclasses.fields(TransformerConfig)
+          if field.name not in ("vocab_size", "target_vocab_size")}
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -39,7 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # TransformerConfig fields (vocab sizes come from the data).
   config.model = ml_collections.ConfigDict(dict(
-      d_model=128, num_heads=4, d_ff=512, num_encoder_layers=2, num_decoder_layers=2,
+      model_defaults(), d_model=128, num_heads=4, d_ff=512, num_encoder_layers=2, num_decoder_layers=2,
       dropout_rate=0.0, attention_dropout_rate=0.0, activation_dropout_rate=0.0,
       max_len=64, share_embeddings=True, tie_output=True, norm_position="post",
       positional="sinusoidal", activation="relu", attention_impl="xla",

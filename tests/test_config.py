@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 
 import pytest
@@ -180,3 +181,14 @@ def test_to_dict_from_dict_round_trip():
   values = cfg.to_dict()
   assert set(values) == {f.name for f in dataclasses.fields(TransformerConfig)}
   assert TransformerConfig.from_dict(values) == cfg
+
+
+@pytest.mark.parametrize("name", ["default", "multi30k", "sst2", "conll2003", "imdb",
+                                  "wmt14_ende_base", "wmt14_ende_big"])
+def test_every_model_field_can_be_set_from_the_command_line(name):
+  """A field a config file does not list cannot be overridden by a flag (ml_collections
+  refuses unknown keys), so each config lists every TransformerConfig field."""
+  config = importlib.import_module(f"configs.{name}").get_config()
+  settable = {f.name for f in dataclasses.fields(TransformerConfig)} - {
+      "vocab_size", "target_vocab_size"}
+  assert settable <= set(config.model.keys()), settable - set(config.model.keys())
