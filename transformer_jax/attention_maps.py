@@ -32,7 +32,7 @@ def collect_weights(intermediates: Any) -> dict[str, list[np.ndarray]]:
   'intermediates' that the einsum attention sows (unrolled `layer_i` or scanned `layers`)."""
   found: dict[str, dict[int, np.ndarray]] = {k: {} for k in KINDS}
   for path, value in jax.tree_util.tree_flatten_with_path(intermediates)[0]:
-    names = [getattr(p, "key", None) for p in path]
+    names = [str(getattr(p, "key", "")) for p in path]
     if "attention_weights" not in names:
       continue
     stack = "encoder" if "encoder" in names else "decoder"

@@ -15,7 +15,7 @@ one, padded with PAD after it.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +91,7 @@ def _recompute_stepper(model: Transformer, params: Any, encoded: Array, src: Arr
 
 def _stepper(model: Transformer, params: Any, src: Array, max_length: int, beams: int,
              use_cache: bool) -> _Stepper:
-  encoded = model.apply({"params": params}, src, method=Transformer.encode)
+  encoded = cast(Array, model.apply({"params": params}, src, method=Transformer.encode))
   if use_cache:
     return _cached_stepper(model, params, encoded, src, max_length, beams)
   return _recompute_stepper(model, params, encoded, src, beams)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Any
 
 from absl import app, flags, logging
 
@@ -36,7 +37,7 @@ FLAGS = flags.FLAGS
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   """The command-line flags, defined only when this module is the program (so that other
   commands can import it); tests pass a FlagValues of their own."""
-  define = dict(flag_values=flag_values)
+  define: dict[str, Any] = {"flag_values": flag_values}
   flags.DEFINE_string("workdir", None, "Training workdir.", required=True, **define)
   flags.DEFINE_integer("average", 1, "Average the parameters of this many checkpoints: "
                        "--step and the ones before it.", **define)

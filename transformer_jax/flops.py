@@ -35,6 +35,11 @@ import jax.extend.core as jex
 from transformer_jax.config import TransformerConfig
 
 
+def _shape(var: Any) -> tuple[int, ...]:
+  """A jaxpr variable's shape (its abstract value is an array's, for the ops counted here)."""
+  return tuple(var.aval.shape)
+
+
 def weights_per_token(cfg: TransformerConfig) -> tuple[int, int]:
   """(N_source, N_target): matmul weights one source / one target token passes through."""
   d, f = cfg.d_model, cfg.d_ff
@@ -70,8 +75,8 @@ def _jaxpr_flops(jaxpr: jex.Jaxpr) -> int:
     name = eqn.primitive.name
     if name == "dot_general":
       (contract, _), _ = eqn.params["dimension_numbers"]
-      lhs = eqn.invars[0].aval.shape
-      total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in contract)
+      lhs = _shape(eqn.invars[0])
+      total += 2 * math.prod(_shape(eqn.outvars[0])) * math.prod(lhs[i] for i in contract)
       continue
     if name == "while":
       if any(_jaxpr_flops(j) for j in jex.jaxprs_in_params(eqn.params)):

@@ -39,7 +39,8 @@ def entity_spans(labels: Sequence[str]) -> set[tuple[str, int, int]]:
   """Entities (type, start, end exclusive) in one sentence's BIO tags, by the chunk rules
   of the CoNLL shared task's conlleval script: an entity starts at B-, or at I- after O or
   after another type; it ends before B-, O or another type."""
-  spans, start = set(), None
+  spans: set[tuple[str, int, int]] = set()
+  start: int | None = None
   previous, previous_type = "O", ""
   for i, label in enumerate(list(labels) + ["O"]):
     tag, kind = _split_tag(label)

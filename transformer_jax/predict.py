@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Iterable, TextIO
+from typing import Any, Iterable, TextIO
 
 from absl import flags, logging
 import flax.linen as nn
@@ -133,7 +133,7 @@ FLAGS = flags.FLAGS
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   """The command-line flags, defined only when this module is the program (so that other
   commands can import it); tests pass a FlagValues of their own."""
-  define = dict(flag_values=flag_values)
+  define: dict[str, Any] = {"flag_values": flag_values}
   flags.DEFINE_string("workdir", None, "Training workdir: its newest parameter "
                       "snapshot or checkpoint is used.", **define)
   flags.DEFINE_string("checkpoint", None, "A parameter snapshot (W/exports/NAME) or checkpoint "

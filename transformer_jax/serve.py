@@ -36,7 +36,7 @@ FLAGS = flags.FLAGS
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   """The command-line flags, defined only when this module is the program."""
-  define = dict(flag_values=flag_values)
+  define: dict[str, Any] = {"flag_values": flag_values}
   flags.DEFINE_string("model", None, "Artifact directory (export --format=stablehlo).",
                       required=True, **define)
   flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.", **define)

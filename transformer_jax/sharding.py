@@ -12,13 +12,14 @@ collectives, so the model code does not change with the layout.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
 import numpy as np
 from absl import logging
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from transformer_jax.errors import UserError
 
@@ -37,6 +38,12 @@ LOGICAL_AXIS_RULES = (
 
 class MeshError(UserError):
   """A mesh that does not fit the devices, or a batch that does not fit the mesh."""
+
+
+def partitioned(init: Callable[..., Any], names: tuple[str | None, ...]) -> Callable[..., jax.Array]:
+  """`init` with the logical axis names of its parameter, which the rules above map to mesh
+  axes (`self.param` unboxes the parameter to an array)."""
+  return nn.with_logical_partitioning(init, names)  # type: ignore[return-value]
 
 
 def resolve_mesh_shape(sizes: dict[str, int], num_devices: int,
@@ -65,7 +72,7 @@ def resolve_mesh_shape(sizes: dict[str, int], num_devices: int,
   return tuple(shape)
 
 
-def make_mesh(sizes: dict[str, int], devices: list | None = None) -> Mesh:
+def make_mesh(sizes: dict[str, int], devices: Sequence[Any] | None = None) -> Mesh:
   """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes;
   `aot` passes the compile-only devices of a TPU topology)."""
   devices = jax.devices() if devices is None else list(devices)

@@ -81,7 +81,7 @@ def _max_batch(config: Any, topology: targets.Topology, mesh: Any, header: str,
   log(f"largest batch that fits: {batch} rows of {programs.run_settings(config).max_length} "
       f"tokens ({batch / chips:g} per chip), {fitted.total_bytes / GiB:.2f} GiB/chip"
       + (f"; est. step {1e3 * fitted.estimated_step_s:.1f} ms, MFU "
-         f"{100 * fitted.estimated_mfu:.1f}% [XLA cost model]" if fitted.estimated_mfu else ""))
+         f"{100 * fitted.estimated_mfu:.1f}% [XLA cost model]" if fitted.estimated_mfu and fitted.estimated_step_s else ""))
   return 0
 
 

@@ -94,7 +94,7 @@ class LayoutRow:
   def step_s(self) -> float | None:
     """XLA's estimate where it gives one, else the roofline bound (same chip throughout)."""
     r = self.report
-    return r and (r.estimated_step_s or r.roofline_step_s)
+    return (r.estimated_step_s or r.roofline_step_s) if r else None
 
   def to_dict(self) -> dict[str, Any]:
     row: dict[str, Any] = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor,
@@ -137,5 +137,5 @@ def sweep_layouts(config: Any, topology: Topology,
     rows.append(row)
   ok = [r for r in rows if r.report and r.report.fits and r.step_s]
   if ok:
-    min(ok, key=lambda r: (r.step_s, r.report.total_bytes)).best = True
+    min(ok, key=lambda r: (r.step_s, r.report.total_bytes if r.report else 0)).best = True
   return rows

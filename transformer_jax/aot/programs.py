@@ -9,7 +9,7 @@ The run config reaches aot as the ml_collections config or the `RunOptions` pars
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,7 @@ class Program:
   `model_flops` (the project's formula, all chips) and `tokens` (array tokens, padding
   included) per call, None where the formula does not apply (decoding)."""
   name: str
-  fn: Callable
+  fn: Any                     # a jitted function: .lower(*args)
   args: tuple
   model_flops: int | None
   tokens: int | None

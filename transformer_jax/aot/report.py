@@ -118,7 +118,7 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
         compiled_bytes_accessed_per_chip=None, xla_optimal_seconds=None,
         xla_error=str(e).strip().splitlines()[0])
   compile_s = time.perf_counter() - start
-  memory = compiled_memory(compiled) or {"argument_bytes": 0, "temp_bytes": 0,
+  memory: dict[str, Any] = compiled_memory(compiled) or {"argument_bytes": 0, "temp_bytes": 0,
                                          "total_bytes": 0}
   cost = compiled.cost_analysis() or {}
   if isinstance(cost, (list, tuple)):      # Older JAX: one dict per executable.
@@ -132,7 +132,7 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
   breakdown = (op_breakdown(compiled.as_text()) if seconds is not None or top_ops
                else NO_BREAKDOWN)
   loop_factor = breakdown.loop_factor if seconds is not None else None
-  if loop_factor:
+  if loop_factor and seconds is not None:
     # cost_analysis() counts a loop body once: a step that scans its layers
     # (model.scan_layers) or its micro-batches (grad_accum_steps) would be estimated at a
     # fraction of its time. XLA's per-instruction estimates, each loop body counted per
@@ -156,7 +156,7 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
     # No cost analysis (XLA's GPU compiler gives none): the bound from what must happen at
     # least once per call, the model's FLOPs at peak, or reading the arguments and writing
     # the outputs at HBM bandwidth.
-    flops = bytes_accessed = None
+    flops, bytes_accessed = None, None
     least_bytes = memory["argument_bytes"] + memory.get("output_bytes", 0)
     roofline = max((program.model_flops or 0) / chips / chip.peak_flops,
                    least_bytes / chip.hbm_bandwidth) or None
@@ -227,7 +227,7 @@ def format_report(header: str, results: dict[str, CompileReport],
     if results[n].top_ops:
       lines.append(f"{n}: the operations XLA's cost model estimates to take the most time "
                    "(share of its per-instruction estimates, all layers together)")
-      lines += [f"  {100 * t['share']:5.1f}%  {t['op']}" for t in results[n].top_ops]
+      lines += [f"  {100 * t['share']:5.1f}%  {t['op']}" for t in results[n].top_ops or []]
   lines.append(f"note: {note} ('-': XLA gave no estimate for this chip); roofline: "
                "the compiled FLOPs at peak or bytes at HBM bandwidth, whichever is slower "
                "(our bound, not XLA's; another basis is named below); model FLOPs: "

@@ -105,11 +105,14 @@ def gpu_topology(name: str, flag: str = "--target") -> Topology:
   except Exception as e:
     raise UsageError(f"{flag}={name!r}: the CUDA plugin cannot describe it ({_first_line(e)}); "
                      "is requirements-gpu.txt installed at the versions it names?") from None
-  memory = int(re.search(r"device_memory_size: (\d+)", spec).group(1))
+  found = re.search(r"device_memory_size: (\d+)", spec)
+  if found is None:
+    raise UsageError(f"{flag}={name!r}: its target description names no device_memory_size")
+  memory = int(found.group(1))
   fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_GPU_MEMORY_FRACTION))
   chip = dataclasses.replace(_checked(chip, devices, name, flag),
                              hbm_gib=memory * fraction / GiB)
-  note = (f"{fraction:.0%} of the {memory / GiB:.1f} GiB an {devices[0].device_kind} reports: the "
+  note = (f"{fraction:.0%} of the {memory / GiB:.1f} GiB an {getattr(devices[0], 'device_kind', name)} reports: the "
           "share JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION"
           + (f"={fraction:g})" if "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ
              else f", default {JAX_GPU_MEMORY_FRACTION:g}; set it for the run, and here, to use more)"))

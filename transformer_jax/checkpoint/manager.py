@@ -240,7 +240,7 @@ class TrainCheckpoints:
     if unknown_metric:
       self.wait()
       raise UserError(f"config.best_checkpoint_metric={self.best_metric!r} is not an "
-                      f"evaluation metric; they are {sorted(metrics)} (step {step} was "
+                      f"evaluation metric; they are {sorted(metrics or {})} (step {step} was "
                       "saved without it)")
 
   def restore(self, abstract_arrays: dict[str, Any]) -> Restored | None:

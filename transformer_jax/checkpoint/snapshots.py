@@ -79,7 +79,7 @@ def restore_params(path: str, abstract_params: Any | None = None) -> Any:
 def first_good(paths: Sequence[str], load: Callable[[str], T]) -> tuple[str, T, list[str]]:
   """(path, load(path), damaged paths) for the first of `paths` that loads. A path whose
   load raises anything but IncompatibleCheckpointError is damaged: logged and skipped."""
-  damaged = []
+  damaged: list[str] = []
   for path in paths:
     try:
       return path, load(path), damaged

@@ -45,6 +45,7 @@ def _write_marian(model: OurModel, output: str) -> str:
 
 
 def _read_torch(input: str, allow_pickle: bool, like: str | None) -> Imported:
+  assert like is not None   # needs_like: convert() refuses --from=torch without --like
   model_dir = os.path.isdir(os.path.join(like, "manifest"))   # an export or checkpoint
   model = load_ours(None if model_dir else like, like if model_dir else None, "--from=torch")
   torch_transformer.check_expressible(model.config)

@@ -290,7 +290,7 @@ def params_to_state(params: dict, cfg: TransformerConfig) -> tuple[dict[str, np.
   ours_of = np.argsort(np.array([-1 if i is None else i for i in order]))[1:]  # Marian id -> ours
   state["model.shared.weight"] = table[ours_of]
   state["final_logits_bias"] = bias[ours_of][None]
-  pad_row = {"pad_embedding": [float(x) for x in table[PAD_ID]]}
+  pad_row: dict[str, Any] = {"pad_embedding": [float(x) for x in table[PAD_ID]]}
   if cfg.final_logits_bias:
     pad_row["pad_logit_bias"] = float(bias[PAD_ID])
   return state, pad_row

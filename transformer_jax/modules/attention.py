@@ -11,14 +11,14 @@ import functools
 import warnings
 from typing import Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 
 from transformer_jax.config import TransformerConfig
+from transformer_jax.sharding import partitioned
 
 Array = jax.Array
-partitioned = nn.with_logical_partitioning
 
 
 # ------------------------------------------------------------------------------------ masks
@@ -44,11 +44,11 @@ def segment_mask(query_segments: Array, key_segments: Array) -> Array:
 
 def combine_masks(*masks: Array | None) -> Array | None:
   """Logical AND of the masks that are not None (None when all are)."""
-  masks = [m for m in masks if m is not None]
-  if not masks:
+  given = [m for m in masks if m is not None]
+  if not given:
     return None
-  out = masks[0]
-  for m in masks[1:]:
+  out = given[0]
+  for m in given[1:]:
     out = jnp.logical_and(out, m)
   return out
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import flax.linen as nn
 
 from transformer_jax.config import TransformerConfig
+from transformer_jax.sharding import partitioned
 
 Array = jax.Array
-partitioned = nn.with_logical_partitioning
 
 
 def sinusoidal_table(max_len: int, d_model: int, layout: str = "interleaved") -> np.ndarray:

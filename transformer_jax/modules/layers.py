@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import Callable
 
-import jax
 import flax.linen as nn
+import jax
 
 from transformer_jax.config import TransformerConfig
 from transformer_jax.modules.attention import MultiHeadAttention
+from transformer_jax.sharding import partitioned
 
 Array = jax.Array
-partitioned = nn.with_logical_partitioning
-_ACTIVATIONS = {"relu": nn.relu, "gelu": nn.gelu, "swish": nn.silu, "silu": nn.silu}
+_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "relu": nn.relu, "gelu": nn.gelu, "swish": nn.silu, "silu": nn.silu}
 
 
 def layer_norm(config: TransformerConfig, name: str) -> nn.LayerNorm:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 
 from transformer_jax.config import BOS_ID, PAD_ID, TransformerConfig
 from transformer_jax.modules.attention import (causal_mask, combine_masks, padding_mask,
@@ -19,9 +19,9 @@ from transformer_jax.modules.attention import (causal_mask, combine_masks, paddi
 from transformer_jax.modules.embedding import (CharacterFeatures, InputEmbedding,
                                                tied_projection, token_embedding)
 from transformer_jax.modules.layers import DecoderLayer, EncoderLayer, layer_norm
+from transformer_jax.sharding import partitioned
 
 Array = jax.Array
-partitioned = nn.with_logical_partitioning
 
 
 def default_positions(tokens: Array) -> Array:

@@ -42,7 +42,7 @@ def load(directory: str, max_rows: int = DEFAULT_MAX_ROWS) -> Served:
   """Reads and checks the artifact in `directory` with its format's loader; ArtifactError
   naming the problem."""
   manifest = read_json(directory, MANIFEST_FILE)
-  loader = LOADERS.get(manifest.get("format")) if isinstance(manifest, dict) else None
+  loader = LOADERS.get(str(manifest.get("format"))) if isinstance(manifest, dict) else None
   if loader is None:
     fmt = manifest.get("format") if isinstance(manifest, dict) else None
     raise ArtifactError(f"{directory}: format {fmt!r} is not one this package reads "

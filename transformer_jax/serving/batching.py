@@ -107,12 +107,11 @@ class Batcher:
         pending.started = start
         pending.record.queue_wait_s = start - queued
         self.metrics.queue_wait.observe(start - queued)
+    error: str | None = None
     try:
       texts, lengths = self.served.predict_bucket([p.encoded[i] for p, i, _ in taken], bucket)
     except Exception as e:  # noqa: BLE001  (a model failure is answered, not fatal)
       texts, lengths, error = [""] * len(taken), [0] * len(taken), f"{type(e).__name__}: {e}"
-    else:
-      error = None
     end = time.monotonic()
     call = {"lines": len(taken), "bucket": bucket, "seconds": end - start,
             "compile_s": CompileClock.seconds() - compiled}

@@ -45,12 +45,15 @@ def _token_ids(served: "Served", out: np.ndarray, lengths: Sequence[int]) -> lis
 
 
 def _class_scores(served: "Served", out: np.ndarray, lengths: Sequence[int]) -> list[str]:
+  assert served.labels   # checked at load
   return [served.labels[i] for i in out.argmax(-1)]
 
 
 def _tag_scores(served: "Served", out: np.ndarray, lengths: Sequence[int]) -> list[str]:
+  assert served.labels and served.transitions is not None   # checked at load
   crf = served.constants.get("crf")   # emission scores + the CRF's transitions
-  learned = tuple(np.asarray(crf[k]) for k in ("start", "transitions", "end")) if crf else None
+  learned = ((np.asarray(crf["start"]), np.asarray(crf["transitions"]), np.asarray(crf["end"]))
+             if crf else None)
   best = bio.best_tags(out, lengths, served.transitions, crf=learned,
                        constrained=served.decode.get("bio_constrained", True))
   return [" ".join(served.labels[i] for i in row) for row in best]
@@ -75,7 +78,9 @@ class Served:
     self.max_len = int(manifest["max_len"])
     self.decode = manifest["decode"]
     self.buckets = bucket_lengths(self.max_len)
-    self.labels = manifest.get("labels")
+    self.labels: list[str] | None = manifest.get("labels")
+    if manifest["output"] != "token_ids" and not self.labels:
+      raise ArtifactError(f"{directory}: a {manifest['output']} artifact lists no labels")
     self.word_bytes = manifest.get("word_bytes")
     self.constants = manifest.get("constants", {})
     self.tokenizer = load_tokenizer(os.path.join(directory, VOCAB_FILE))

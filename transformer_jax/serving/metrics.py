@@ -21,6 +21,7 @@ Each server has its own registry, so tests can run several in one process.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import jax
 import prometheus_client as prom
@@ -45,10 +46,10 @@ class CompileClock:
       return cls._seconds
 
   @classmethod
-  def _record(cls, event: str, duration: float, **kwargs: object) -> None:
+  def _record(cls, event: str, duration_secs: float, **kwargs: str | int) -> None:
     if event.startswith(_COMPILE_EVENTS):
       with cls._lock:
-        cls._seconds += duration
+        cls._seconds += duration_secs
 
 
 class ServerMetrics:
@@ -56,7 +57,8 @@ class ServerMetrics:
 
   def __init__(self) -> None:
     self.registry = prom.CollectorRegistry()
-    prefix, r = "transformer_jax_", dict(registry=self.registry)
+    r: dict[str, Any]
+    prefix, r = "transformer_jax_", {"registry": self.registry}
     self.requests = prom.Counter(prefix + "requests", "Requests answered, by HTTP status.",
                                  ["code"], **r)
     self.errors = prom.Counter(prefix + "request_errors", "Requests answered 4xx or 5xx.",

@@ -85,8 +85,8 @@ def write_artifact(task: Any, params: Any, decode: Any, output: str, *,
   def write_model(directory: str) -> dict[str, Any]:
     with open(os.path.join(directory, MODEL_FILE), "wb") as f:
       f.write(exported.serialize())
-    np.savez(os.path.join(directory, PARAMS_FILE),
-             **{n: _storable(x) for n, x in zip(names, arrays)})
+    storable: dict[str, Any] = {n: _storable(x) for n, x in zip(names, arrays)}
+    np.savez(os.path.join(directory, PARAMS_FILE), **storable)
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "inputs": {"params": "the arrays of params.npz, in the order of 'params'",
