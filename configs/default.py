@@ -72,8 +72,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval = ml_collections.ConfigDict(dict(batch_size=250, examples=1000, num_samples=5))
   # Device mesh (sharding.py): -1 takes the remaining devices. Multi-host: set
   # distributed.initialize=True (cluster read from the environment on Cloud TPU/SLURM), or
-  # give coordinator_address "host:port", num_processes and process_id.
-  config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  # give coordinator_address "host:port", num_processes and process_id. shard_optimizer_state:
+  # the Adam moments split over the data axis as well, parameters replicated (ZeRO-1).
+  config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1,
+                                                shard_optimizer_state=False))
   config.distributed = ml_collections.ConfigDict(dict(
       initialize=False, coordinator_address="", num_processes=0, process_id=-1))
   return config

@@ -65,9 +65,17 @@ def _train_single_device():
   return jax.device_get(state), losses
 
 
-def _train_on(mesh):
+def _zero1_shardings(mesh):
+  """The rules' state shardings with the optimizer state split over data (ZeRO-1)."""
+  boxed = jax.eval_shape(_init_fn(None))
+  shardings = sharding.shardings_for(boxed, mesh)
+  return shardings.replace(opt_state=sharding.split_over_data(shardings.opt_state,
+                                                              boxed.opt_state))
+
+
+def _train_on(mesh, shardings=None):
   batch = _batch()
-  state, state_sharding = sharding.create_sharded(_init_fn(batch), mesh)
+  state, state_sharding = sharding.create_sharded(_init_fn(batch), mesh, shardings=shardings)
   step = make_train_step(TASK, OPTIMIZER, lambda s: 3e-3, 1, state_sharding,
                          sharding.batch_sharding(mesh))
   losses = []
@@ -118,10 +126,11 @@ def test_batch_must_split_evenly_over_data_and_fsdp():
 
 # ------------------------------------------------------------------ equal results
 @needs_8_devices
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, "data8_zero1"])
 def test_layouts_match_one_device(reference, layout):
   ref_state, ref_losses = reference
-  state, losses = _train_on(sharding.make_mesh(LAYOUTS[layout]))
+  mesh = sharding.make_mesh(LAYOUTS[layout.removesuffix("_zero1")])
+  state, losses = _train_on(mesh, _zero1_shardings(mesh) if "zero1" in layout else None)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   assert losses[-1] < losses[0]                    # it trained
   got = jax.device_get(state)
@@ -175,6 +184,46 @@ def test_parameters_and_optimizer_state_are_sharded_as_the_rules_say():
   assert per_device["data8"] == total                    # replicated
   assert per_device["fsdp8"] < total / 7                 # ~1/8 (biases over heads replicate)
   assert total / 4 <= per_device["tensor4"] < total / 3  # ~1/4 (norms replicate)
+
+
+@needs_8_devices
+def test_zero1_splits_the_optimizer_state_over_data_and_leaves_the_parameters_replicated():
+  from configs import default
+  from transformer_jax.training.experiment import Experiment
+  config = default.get_config()
+  config.model.update(d_model=32, d_ff=64, num_encoder_layers=1, num_decoder_layers=1)
+  config.mesh.update(data=8, shard_optimizer_state=True)
+  state, shardings = Experiment.create(config, data=False, vocab_sizes=(40, None)) \
+      .abstract_state()
+  ffn_in = "['encoder']['layer_0']['feed_forward']['wi']['kernel']"
+  assert "data" not in str(_spec(state, ffn_in))                  # parameters: replicated
+  assert _spec(state, ffn_in, "opt_state") == jax.sharding.PartitionSpec(("data", "fsdp"),
+                                                                         "tensor")
+  assert all(x.sharding.is_fully_replicated for x in jax.tree_util.tree_leaves(state.params))
+  moments = [x for x in jax.tree_util.tree_leaves(state.opt_state) if x.ndim]
+  per_device = sum(np.prod(x.sharding.shard_shape(x.shape)) for x in moments)
+  assert per_device < sum(x.size for x in moments) / 7     # ~1/8 (sizes 8 does not divide stay)
+
+
+@needs_8_devices
+def test_zero1_checkpoint_restores_onto_the_replicated_layout_and_back(tmp_path):
+  mesh = sharding.make_mesh(dict(data=8))
+  state, _ = _train_on(mesh, _zero1_shardings(mesh))
+  expected = jax.device_get(state)
+  checkpoints = TrainCheckpoints(str(tmp_path / "ckpt"), {"run": 1}, {"kind": "test"})
+  checkpoints.save(3, checkpoint_arrays(state), {"position": 3})
+  checkpoints.wait()
+  replicated, _ = sharding.create_sharded(_init_fn(None), mesh)
+  restored = state_from_checkpoint(checkpoints.restore(checkpoint_arrays(replicated)).arrays)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(restored), expected)
+  checkpoints.save(4, checkpoint_arrays(restored), {"position": 4})
+  checkpoints.wait()
+  again = state_from_checkpoint(checkpoints.restore(
+      checkpoint_arrays(sharding.create_sharded(_init_fn(None), mesh,
+                                                shardings=_zero1_shardings(mesh))[0])).arrays)
+  assert "data" in str(jax.tree_util.tree_leaves(again.opt_state)[1].sharding.spec)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(again), expected)
+  checkpoints.close()
 
 
 @needs_8_devices

@@ -185,13 +185,16 @@ class OptimizerOptions(_Options):
 
 @dataclasses.dataclass(frozen=True)
 class MeshOptions(_Options):
-  """Devices per mesh axis (sharding.py); -1 takes the devices the others leave."""
+  """Devices per mesh axis (sharding.py); -1 takes the devices the others leave.
+  `shard_optimizer_state` splits the optimizer state over the data axis too, while the
+  parameters stay replicated over it (ZeRO-1; sharding.split_over_data)."""
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
+  shard_optimizer_state: bool = False
 
   def sizes(self) -> dict[str, int]:
-    return dataclasses.asdict(self)
+    return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,12 +117,38 @@ def shardings_for(boxed_tree: Any, mesh: Mesh,
   return jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in fitted])
 
 
+def split_over_data(shardings: Any, shapes: Any) -> Any:
+  """Each array's sharding, further split over the data axis on its first dimension that
+  the data ways (times the axes already on it) divide; an array without one (a scalar, a
+  bias too small) keeps its sharding. For the optimizer state, with the parameters left
+  replicated over data, it is ZeRO-1: each data replica updates only its share of the
+  moments, and XLA turns the gradient all-reduce into a reduce-scatter plus an all-gather
+  of the updated parameters."""
+  def split(named: NamedSharding, shape: Any) -> NamedSharding:
+    data = named.mesh.shape["data"]
+    spec = tuple(named.spec) + (None,) * (len(shape.shape) - len(named.spec))
+    if data == 1 or any("data" in _axis_names(axes) for axes in spec):
+      return named
+    for i, (size, axes) in enumerate(zip(shape.shape, spec)):
+      names = _axis_names(axes)
+      if size % (data * math.prod(named.mesh.shape[a] for a in names)) == 0:
+        return NamedSharding(named.mesh, P(*spec[:i], ("data", *names), *spec[i + 1:]))
+    return named
+  return jax.tree_util.tree_map(split, shardings, nn.meta.unbox(shapes))
+
+
+def _axis_names(axes: Any) -> tuple[str, ...]:
+  return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
 def abstract_sharded(init_fn: Callable[[], Any], mesh: Mesh,
-                     rules: tuple = LOGICAL_AXIS_RULES) -> tuple[Any, Any]:
+                     rules: tuple = LOGICAL_AXIS_RULES,
+                     shardings: Any = None) -> tuple[Any, Any]:
   """What `create_sharded` would create, without allocating: `jax.ShapeDtypeStruct`s carrying
-  the shardings (for ahead-of-time compilation, see transformer_jax/aot), and the shardings."""
+  the shardings (for ahead-of-time compilation, see transformer_jax/aot), and the shardings
+  (the rules', unless given)."""
   boxed = jax.eval_shape(init_fn)
-  shardings = shardings_for(boxed, mesh, rules)
+  shardings = shardings_for(boxed, mesh, rules) if shardings is None else shardings
   shapes = jax.tree_util.tree_map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       nn.meta.unbox(boxed), shardings)
@@ -163,11 +189,13 @@ def to_global(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.A
 
 
 def create_sharded(init_fn: Callable[[], Any], mesh: Mesh,
-                   rules: tuple = LOGICAL_AXIS_RULES) -> tuple[Any, Any]:
+                   rules: tuple = LOGICAL_AXIS_RULES,
+                   shardings: Any = None) -> tuple[Any, Any]:
   """Runs `init_fn` (returning a pytree with Flax's logical boxes) under jit with the
-  shardings its boxes ask for, so each device only ever materialises its own shards.
-  Returns the unboxed tree and its shardings."""
-  shardings = shardings_for(jax.eval_shape(init_fn), mesh, rules)
+  shardings its boxes ask for (or `shardings`), so each device only ever materialises its
+  own shards. Returns the unboxed tree and its shardings."""
+  if shardings is None:
+    shardings = shardings_for(jax.eval_shape(init_fn), mesh, rules)
   tree = jax.jit(lambda: nn.meta.unbox(init_fn()), out_shardings=shardings)()
   return tree, shardings
 

@@ -217,12 +217,24 @@ class Experiment:
   def init_state(self) -> tuple[TrainState, Any]:
     """The initial state, created under jit in its final shardings (no device ever holds
     the whole state), and those shardings."""
-    return sharding.create_sharded(self._new_state, self.mesh)
+    return sharding.create_sharded(self._new_state, self.mesh,
+                                   shardings=self._state_shardings())
+
+  def _state_shardings(self) -> Any:
+    """The rules' shardings of the state; with mesh.shard_optimizer_state, the optimizer
+    state further split over the data axis."""
+    boxed = jax.eval_shape(self._new_state)
+    shardings = sharding.shardings_for(boxed, self.mesh)
+    if not self.options.mesh.shard_optimizer_state:
+      return shardings
+    return shardings.replace(opt_state=sharding.split_over_data(
+        shardings.opt_state, boxed.opt_state))
 
   def abstract_state(self) -> tuple[TrainState, Any]:
     """The state's shapes and dtypes with their shardings (nothing allocated), and the
     shardings."""
-    return sharding.abstract_sharded(self._new_state, self.mesh)
+    return sharding.abstract_sharded(self._new_state, self.mesh,
+                                     shardings=self._state_shardings())
 
   def abstract_params(self) -> tuple[Any, Any]:
     """The parameters' shapes with shardings (what a saved model restores into)."""
