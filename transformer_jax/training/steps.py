@@ -68,12 +68,17 @@ def make_train_step(task: Any, optimizer: optax.GradientTransformation,
     weight = jnp.maximum(sums["weight"], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
-    new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
-                              opt_state=keep(opt_state, state.opt_state))
+
+    def update(params: Any, opt_state: Any) -> tuple[Any, Any]:
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    # A branch, not a select between the updated and the old state: the update can write in
+    # place, and a skipped step reads nothing.
+    params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), state.params,
+                                     state.opt_state)
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     metrics = {
         "loss": sums["loss"] / weight,
         "accuracy": sums["correct"] / weight,
