@@ -77,7 +77,8 @@ def _train_on(mesh, shardings=None):
   batch = _batch()
   state, state_sharding = sharding.create_sharded(_init_fn(batch), mesh, shardings=shardings)
   step = make_train_step(TASK, OPTIMIZER, lambda s: 3e-3, 1, state_sharding,
-                         sharding.batch_sharding(mesh))
+                         sharding.batch_sharding(mesh),
+                         split_gradients_over_data=shardings is not None)
   losses = []
   for _ in range(STEPS):
     state, metrics = step(state, sharding.to_global(batch, mesh))

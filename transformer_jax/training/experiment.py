@@ -252,7 +252,8 @@ class Experiment:
     """The jitted train step, `(state, global batch) -> (state, metrics)`, state donated."""
     return make_train_step(self.task, self.optimizer, self.schedule,
                            self.train.grad_accum_steps, state_sharding,
-                           sharding.batch_sharding(self.mesh))
+                           sharding.batch_sharding(self.mesh),
+                           split_gradients_over_data=self.options.mesh.shard_optimizer_state)
 
   def eval_step(self, params_sharding: Any) -> Callable:
     """The jitted teacher-forced step `(params, global batch) -> sums`."""

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from transformer_jax import sharding
 from transformer_jax.training.state import TrainState
 
 
@@ -52,9 +53,13 @@ def _grads_and_sums(task: Any, params: Any, batch: dict, rng: jax.Array,
 
 def make_train_step(task: Any, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, grad_accum_steps: int = 1,
-                    state_sharding: Any = None, batch_sharding: Any = None) -> Callable:
+                    state_sharding: Any = None, batch_sharding: Any = None,
+                    split_gradients_over_data: bool = False) -> Callable:
   """Returns jitted `(state, batch) -> (state, metrics)` with the state buffers donated.
-  With shardings (see sharding.py) the state keeps its layout from step to step.
+  With shardings (see sharding.py) the state keeps its layout from step to step. With
+  `split_gradients_over_data` (ZeRO-1: the optimizer state split over data) the gradients
+  take the optimizer state's layout as soon as they are summed, so that XLA reduce-scatters
+  them instead of all-reducing them, and each replica updates only its share.
 
   A step whose loss or gradient is not finite leaves params and optimizer state unchanged
   and reports metrics["nonfinite"] = 1; the loop decides whether to stop or go on.
@@ -67,18 +72,19 @@ def make_train_step(task: Any, optimizer: optax.GradientTransformation,
     grads, sums = _grads_and_sums(task, state.params, batch, rng, grad_accum_steps)
     weight = jnp.maximum(sums["weight"], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
+    if split_gradients_over_data:
+      grads = jax.lax.with_sharding_constraint(
+          grads, sharding.split_over_data(state_sharding.params, grads))
     grad_norm = optax.tree.norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    # A select, not a lax.cond: XLA fuses it into the update, while a branch around the
+    # update costs copies of the state (XLA's estimate for big on v5p-8: 46.5 ms a step
+    # against 41.2 ms; benchmarks/RESULTS.md).
     finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
-
-    def update(params: Any, opt_state: Any) -> tuple[Any, Any]:
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
-
-    # A branch, not a select between the updated and the old state: the update can write in
-    # place, and a skipped step reads nothing.
-    params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), state.params,
-                                     state.opt_state)
-    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
+                              opt_state=keep(opt_state, state.opt_state))
     metrics = {
         "loss": sums["loss"] / weight,
         "accuracy": sums["correct"] / weight,
