@@ -3,7 +3,8 @@ saved by N hosts resumes on M. In process: each host's iterator over local files
 seq2seq and encoder-task packing. End to end: train.py on 1 process of 8 CPU devices, resumed
 on 2 processes (jax.distributed on 127.0.0.1), resumed on 1 process of 4 devices, with
 grad_accum_steps=2: every global batch's fingerprint equals the uninterrupted run's and the
-losses agree within 1e-5 relative."""
+losses agree within 1e-5 relative; a mesh the global batch does not split over is refused
+in one line. (A same-mesh resume is bitwise: tests/test_resume.py.)"""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from cli_helpers import finish, start
 from conftest import featurizing_task
 from test_data import DIGITS, digit_records, write
 from test_distributed import _env, _finish, _free_port, _metrics
@@ -178,7 +181,6 @@ def _corpus(folder) -> str:
 
 
 def _train(workdir, data: str, devices: int, processes: int = 1, *extra: str):
-  import subprocess
   port = _free_port()
   cluster = lambda i: ["--config.distributed.initialize=True",
                        f"--config.distributed.coordinator_address=127.0.0.1:{port}",
@@ -237,3 +239,11 @@ def test_train_resumes_across_process_and_device_counts(tmp_path):
   assert sorted(losses(ours)) == list(range(1, STEPS + 1))
   for step, loss in losses(theirs).items():
     assert losses(ours)[step] == pytest.approx(loss, rel=1e-5), step
+
+  # On a mesh that the global batch does not split over: one line, before any restoring.
+  code, output = finish(start("train.py", f"--workdir={straight}", *RUN_FLAGS,
+                              f"--config.data.dir={data}", env=_env(3)))
+  assert code == 2 and "Traceback" not in output and "resumed" not in output, output
+  errors = [line for line in output.splitlines() if line.startswith("error:")]
+  assert errors == ["error: batch_size/grad_accum_steps=8 is not divisible by mesh "
+                    "data*fsdp=3; every device needs an equal share of the batch"], output
