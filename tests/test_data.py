@@ -277,16 +277,25 @@ def test_one_epoch_packs_every_example_exactly_once_in_static_shapes():
         assert (batch["src_segment_ids"][row] == segment).any()
 
 
-def test_two_hosts_read_disjoint_complete_shards():
+def test_two_hosts_take_disjoint_halves_of_every_global_batch():
+  """Hosts read the one global order (see tests/test_elastic.py for resuming it elsewhere):
+  host i of 2 feeds rows [2i, 2i + 2) of each global batch of 4, so between them they
+  pack every example exactly once."""
   records = digit_records(41)
-  shards = [packed_sources(seq2seq_iterator(records, shard_index=i, shard_count=2,
-                                            num_epochs=1)) for i in range(2)]
+  whole = list(seq2seq_iterator(records, num_epochs=1))
+  halves = [list(seq2seq_iterator(records, shard_index=i, shard_count=2, num_epochs=1))
+            for i in range(2)]
+  for batch, first, second in zip(whole, *halves, strict=True):
+    for key in batch:
+      np.testing.assert_array_equal(np.concatenate([first[key], second[key]]), batch[key])
+  shards = [packed_sources(h) for h in halves]
   assert not set(shards[0]) & set(shards[1])
   assert sorted(shards[0] + shards[1]) == sorted(tuple(DIGITS.encode(r["source"]))
                                                  for r in records)
-  assert abs(len(shards[0]) - len(shards[1])) <= 1
   with pytest.raises(ValueError, match="shard 2 of 2"):
     seq2seq_iterator(records, shard_index=2, shard_count=2)
+  with pytest.raises(ValueError, match="batch_size=4 does not split over 3 hosts"):
+    seq2seq_iterator(records, shard_index=0, shard_count=3)
 
 
 @pytest.mark.parametrize("policy", ["drop", "truncate"])

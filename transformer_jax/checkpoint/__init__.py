@@ -10,7 +10,7 @@ text assets.
 A training checkpoint is one Orbax composite checkpoint with the items
   params     (arrays) the model parameters
   train      (arrays) {"step", "opt_state", "rng"}
-  data       (JSON)   the training data iterator's get_state()
+  data       (JSON)   the training data's position, get_state(): the same on every host
   config     (JSON)   the resolved run config, as in W/config.json
   tokenizer  (JSON)   the tokenizer file it was trained with, base64 (data/tokenizer.py)
   manifest   (JSON)   {"step", "leaves": {item: {path: {"shape", "dtype", "fingerprint"}}}}

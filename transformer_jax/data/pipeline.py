@@ -1,10 +1,13 @@
 """The Grain input pipeline: records -> model batches of static shape.
 
-Training: per-host shard (`records[host::hosts]`, so hosts read disjoint data) -> seeded
+Training: one global order, the same whatever the number of hosts: all records -> seeded
 shuffle, reshuffled every epoch -> featurize -> length limit (too long: drop or truncate;
-empty: drop; all counted) -> pack into [batch, length] rows with segment ids and positions
--> background prefetch. The iterator's state (get_state/set_state, JSON) is its data
-position.
+empty: drop; all counted) -> pack into global batches of [batch, length] rows with segment
+ids and positions -> background prefetch -> this host's rows of each global batch. Global
+batch s is thus a function of the seed, the records and s alone. The iterator's state
+(get_state/set_state, JSON) is the global position: the same on every host, so a run
+resumes on any number of hosts (see GLOBAL_ORDER). Every host featurizes and packs the
+whole global batch and keeps its rows (the host cost is measured in benchmarks/RESULTS.md).
 
 Evaluation: every example is kept; each goes to the smallest length bucket that holds it
 (longer ones are truncated to the largest bucket and counted), one example per row, so
@@ -19,7 +22,7 @@ inside an example. Packed rows restart positions at 0 in each sequence; segment 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import grain
 import numpy as np
@@ -129,14 +132,31 @@ def _stack(rows: Sequence[dict]) -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------- training
-class TrainIterator:
-  """Training batches (dicts of int32 arrays of one static shape), endlessly unless
-  `num_epochs` is set. `get_state()` returns the data position as a JSON-serializable dict;
-  `set_state()` returns to it; `stats()` counts what the length limit did up to the last
-  batch returned."""
+# The "order" of a position in the global order. A state without it was written before
+# elastic resume: per host, each reading `records[host::hosts]` into its own batches; it
+# resumes only on the same number of hosts (see per_host_position).
+GLOBAL_ORDER = "global"
 
-  def __init__(self, dataset: grain.IterDataset):
-    self._iterator, self._counts = iter(dataset), Counts()
+
+def per_host_position(state: dict) -> bool:
+  """Whether a training iterator state is a per-host position of the old format (as
+  opposed to a global one, or a synthetic stream's index, which every host shares)."""
+  return "pipeline" in state and "order" not in state
+
+
+class TrainIterator:
+  """This host's rows of each training batch (dicts of int32 arrays of one static shape),
+  endlessly unless `num_epochs` is set. `get_state()` returns the data position as a
+  JSON-serializable dict; `set_state()` returns to it; `stats()` counts what the length
+  limit did up to the last batch returned.
+
+  `build(per_host)` makes the Grain dataset: the global order, or (per_host=True) the old
+  per-host order that an old-format state resumes into."""
+
+  def __init__(self, build: Callable[[bool], grain.IterDataset], rows: slice, hosts: int):
+    """rows: this host's rows of a global batch, one of `hosts`."""
+    self._build, self._rows, self._hosts = build, rows, hosts
+    self._iterator, self._counts, self._per_host = iter(build(False)), Counts(), False
 
   def __iter__(self) -> "TrainIterator":
     return self
@@ -145,12 +165,24 @@ class TrainIterator:
     batch = next(self._iterator)
     if _COUNTS in batch:
       self._counts = Counts(*(int(c) for c in batch.pop(_COUNTS)))
-    return batch
+    if self._per_host:      # already this host's own batch
+      return batch
+    return {k: v[self._rows] for k, v in batch.items()}
 
   def get_state(self) -> dict:
-    return {"pipeline": self._iterator.get_state(), "counts": dataclasses.asdict(self._counts)}
+    order = {} if self._per_host else {"order": GLOBAL_ORDER}
+    return {**order, "pipeline": self._iterator.get_state(),
+            "counts": dataclasses.asdict(self._counts)}
 
   def set_state(self, state: dict) -> None:
+    """Returns to a position. An old-format (per-host) one of several hosts continues in
+    the old per-host order, which the caller must resume on as many hosts; on one host
+    both orders are the same, so it continues in the global order."""
+    per_host = per_host_position(state) and self._hosts > 1
+    if per_host != self._per_host:
+      self._iterator.close()
+      self._per_host = per_host
+      self._iterator = iter(self._build(per_host))
     self._iterator.set_state(state["pipeline"])
     self._counts = Counts(**state["counts"])
 
@@ -167,26 +199,35 @@ def train_iterator(records: Sequence[dict], task: Featurizing, *, batch_size: in
                    max_segments: int = 0, shard_index: int = 0, shard_count: int = 1,
                    num_epochs: int | None = None, prefetch: int = 2,
                    read_threads: int = 1) -> TrainIterator:
-  """Training batches of [batch_size, max_length] from this host's shard of `records`.
+  """Host `shard_index` of `shard_count`'s rows of each global training batch of
+  [batch_size, max_length]: the rows [i * n, (i + 1) * n) with n = batch_size / shard_count.
 
   pack: several examples per row (at most `max_segments`, or any number if 0; the
   classifier needs a bound as each example is one label slot); False: one per row.
   """
   if not 0 <= shard_index < shard_count:
     raise UserError(f"shard {shard_index} of {shard_count}: need 0 <= index < count")
-  if len(records) < shard_count:
-    raise UserError(f"{len(records)} training examples cannot be split over "
-                    f"{shard_count} hosts")
+  if batch_size % shard_count:
+    raise UserError(f"batch_size={batch_size} does not split over {shard_count} hosts")
   max_per_row = (max_segments or None) if pack else 1
-  ds = grain.MapDataset.source(records)[shard_index::shard_count]
-  ds = ds.shuffle(seed).repeat(num_epochs).map(task.featurize)
-  ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads,
-                                            prefetch_buffer_size=4 * batch_size))
-  ds = _LengthLimit(ds, task, max_length, too_long)
-  ds = _rows(ds, task, max_length, batch_size, seed, max_per_row, counted=True)
-  if prefetch:
-    ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
-  return TrainIterator(ds)
+  rows_per_host = batch_size // shard_count
+
+  def build(per_host: bool) -> grain.IterDataset:
+    ds = grain.MapDataset.source(records)
+    rows = batch_size
+    if per_host:    # The order before elastic resume: hosts shuffle and pack their own shard.
+      ds, rows = ds[shard_index::shard_count], rows_per_host
+    ds = ds.shuffle(seed).repeat(num_epochs).map(task.featurize)
+    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads,
+                                              prefetch_buffer_size=4 * rows))
+    ds = _LengthLimit(ds, task, max_length, too_long)
+    ds = _rows(ds, task, max_length, rows, seed, max_per_row, counted=True)
+    if prefetch:
+      ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
+    return ds
+
+  return TrainIterator(build, slice(shard_index * rows_per_host,
+                                   (shard_index + 1) * rows_per_host), shard_count)
 
 
 # --------------------------------------------------------------------------- evaluation

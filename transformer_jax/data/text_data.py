@@ -189,17 +189,15 @@ class TextData:
   def train_iterator(self, task: pipeline.Featurizing, batch_size: int, *,
                      shard_index: int | None = None, shard_count: int | None = None,
                      num_epochs: int | None = None) -> pipeline.TrainIterator:
-    """This host's training batches: its 1/shard_count of each global batch of
-    `batch_size` rows, read from its own shard of the data (`shard_index/count` default to
-    JAX's process index and count)."""
+    """This host's rows of each global batch of `batch_size` rows (see
+    pipeline.train_iterator; `shard_index/count` default to JAX's process index and
+    count)."""
     c = self._config
     shard_index = jax.process_index() if shard_index is None else shard_index
     shard_count = jax.process_count() if shard_count is None else shard_count
-    if batch_size % shard_count:
-      raise UserError(f"batch_size={batch_size} does not split over {shard_count} hosts")
     return pipeline.train_iterator(
         self._corpus.split(c.train_split), task,
-        batch_size=batch_size // shard_count, max_length=c.max_length, seed=self._seed,
+        batch_size=batch_size, max_length=c.max_length, seed=self._seed,
         too_long=c.too_long, pack=c.pack, max_segments=c.max_segments,
         shard_index=shard_index, shard_count=shard_count, num_epochs=num_epochs,
         prefetch=c.prefetch)

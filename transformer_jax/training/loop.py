@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from transformer_jax import checkpoint, sharding
 from transformer_jax.checkpoint import CHECKPOINT_DIR, TrainCheckpoints
+from transformer_jax.data.pipeline import per_host_position
 from transformer_jax.data.tokenizer import tokenizer_item
 from transformer_jax.metrics import MetricWriter
 from transformer_jax.options import RunOptions
@@ -93,6 +94,29 @@ def _make_checkpoints(experiment: Experiment, workdir: str) -> TrainCheckpoints:
       best_metric=train.best_checkpoint_metric, best_mode=train.best_checkpoint_mode)
 
 
+def _saved_process_count(config: dict) -> int | None:
+  """How many processes wrote a checkpoint, from its config (None: the cluster was read from
+  the environment, so the config does not say)."""
+  distributed = config.get("distributed", {})
+  if not distributed.get("initialize"):
+    return 1
+  return distributed.get("num_processes") or None
+
+
+def _check_data_position(restored: checkpoint.Restored) -> None:
+  """A global data position resumes on any number of processes; a per-host one (written
+  before data positions were global) only on as many as wrote it."""
+  if not per_host_position(restored.data_state):
+    return
+  saved, now = _saved_process_count(restored.config), jax.process_count()
+  if saved is not None and saved != now:
+    raise UserError(
+        f"cannot resume {restored.path} on {now} processes: it was written by {saved} "
+        f"processes in the old per-process data format, whose data order continues only on "
+        f"{saved}; resume with {saved} processes (checkpoints of this version resume on any "
+        f"number), or train in a new --workdir")
+
+
 class _TrainLog:
   """Aggregates the per-step metrics between log lines (kept on the device until then) into
   means, throughput and the data counts, and writes them."""
@@ -119,7 +143,7 @@ class _TrainLog:
     summary["train/nonfinite_steps"] = float(sum(m["nonfinite"] for _, m in host))
     summary["perf/tokens_per_sec"] = self.tokens / elapsed
     summary["perf/steps_per_sec"] = len(host) / elapsed
-    summary.update(data_stats)    # This host's counts of dropped/truncated data.
+    summary.update(data_stats)    # The global order's counts of dropped/truncated data.
     self.writer.write(step, summary)
     self.pending, self.tokens = [], 0
     self.restart_clock()
@@ -192,6 +216,7 @@ def _train(options: RunOptions, workdir: str) -> dict[str, float]:
   # Restored straight into this run's shardings, whatever mesh the checkpoint was saved on.
   restored = checkpoints.restore(checkpoint_arrays(sharding.abstract(state)))
   if restored is not None:
+    _check_data_position(restored)
     state = state_from_checkpoint(restored.arrays)
     batches.set_state(restored.data_state)
     print(f"resumed from step {restored.step}")
