@@ -1,0 +1,124 @@
+"""The masked-LM pretraining task (tasks/mlm.py) and the pretrain-then-fine-tune recipe
+(training/recipe.py): BERT's masking rates, the loss falling on a tiny corpus, init_from
+carrying the encoder into a classifier or tagger with a fresh head, and one command running
+both stages and resuming."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import conll2003, sst2
+from test_tasks import _lines, _shrink, entity_corpus, sentiment_corpus
+from transformer_jax import checkpoint
+from transformer_jax.data.vocab import SPECIALS
+from transformer_jax.errors import UserError
+from transformer_jax.predict import Predictor
+from transformer_jax.tasks.mlm import MASK_ID, mask_tokens
+from transformer_jax.training import loop, recipe
+from transformer_jax.training.experiment import Experiment
+
+
+def test_masking_follows_bert_rates_and_never_touches_specials():
+  vocab = 50
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, vocab, (64, 4096)).astype(np.int32)   # specials and pads too
+  inputs, chosen, replaced = (np.asarray(a) for a in
+                              mask_tokens(jax.random.PRNGKey(1), jnp.asarray(tokens), 0.15, vocab))
+  special = tokens < len(SPECIALS)
+  assert not chosen[special].any() and (inputs[special] == tokens[special]).all()
+  assert abs(chosen[~special].mean() - 0.15) < 0.003
+  picked = chosen.sum()
+  masked = (inputs == MASK_ID) & chosen
+  changed = chosen & ~masked & (inputs != tokens)          # a random draw may repeat the token
+  kept = chosen & (inputs == tokens)
+  assert abs(masked.sum() / picked - 0.8) < 0.01
+  assert abs(changed.sum() / picked - 0.1 * (1 - 1 / (vocab - len(SPECIALS)))) < 0.01
+  assert abs(kept.sum() / picked - 0.1 - 0.1 / (vocab - len(SPECIALS))) < 0.01
+  assert (inputs[chosen & ~masked] >= len(SPECIALS)).all()  # random ids are real tokens
+  assert not (replaced & ~chosen).any() and (replaced >= (masked | changed)).all()
+  assert abs(replaced.sum() / picked - 0.9) < 0.01          # whose characters are hidden
+  assert not (inputs[~chosen] != tokens[~chosen]).any()     # unchosen positions untouched
+
+
+def _pretraining(data_dir: str, steps: int, base=sst2) -> dict:
+  config = _shrink(base.get_config(), steps, dir=data_dir)
+  config.pretrain.update(dict(enabled=True, num_train_steps=steps, warmup_steps=2))
+  return recipe.pretraining_config(config.to_dict())
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+  """A masked LM pretrained 40 steps on the sentiment corpus's text: (data dir, checkpoint)."""
+  data_dir = tmp_path_factory.mktemp("sentiment")
+  sentiment_corpus(data_dir)
+  workdir = str(tmp_path_factory.mktemp("mlm"))
+  final = loop.train_and_evaluate(_pretraining(str(data_dir), 40), workdir)
+  return str(data_dir), workdir, final
+
+
+def test_masked_lm_loss_falls_on_a_tiny_corpus(pretrained):
+  _, workdir, final = pretrained
+  train = [l for l in _lines(workdir) if "train/loss" in l]
+  assert train[-1]["train/loss"] < 0.8 * train[0]["train/loss"]
+  assert set(final) == {"eval/loss", "eval/accuracy", "eval/perplexity"}
+  assert final["eval/accuracy"] > 0.3       # 9 words; the sentiment word is a coin toss
+
+
+def test_init_from_carries_the_encoder_and_leaves_the_head_fresh(pretrained, tmp_path):
+  data_dir, workdir, _ = pretrained
+  path = os.path.join(workdir, "checkpoints", "40")
+  config = _shrink(sst2.get_config(), 10, dir=data_dir)
+  config.init_from = path
+  experiment = Experiment.create(config, str(tmp_path / "fine"))
+  fresh, _ = experiment.init_state()
+  params, carried = experiment.initial_params(fresh.params)
+  saved = checkpoint.restore_params(path)
+  assert carried == ["character_features", "encoder"]
+  for name in carried:   # the encoder with its embedding, and the character CNN
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params[name], saved[name])
+  jax.tree_util.tree_map(np.testing.assert_array_equal, params["classifier"],
+                         fresh.params["classifier"])
+  assert "classifier" not in saved and "mlm_bias" not in params
+  assert experiment.task.head["pooling"] == "max"   # the config's head, not the MLM's
+  # The vocabulary is the pretraining stage's: the fine-tuning run reuses it.
+  assert experiment.data.tokenizer.words == Predictor(workdir).task.tokenizer.words
+
+  config.task = "tagging"   # a pretrained sentiment encoder cannot read CoNLL tags' data
+  with pytest.raises(UserError):
+    Experiment.create(config, str(tmp_path / "other"))
+
+
+def test_one_command_pretrains_fine_tunes_a_tagger_resumes_and_predicts(tmp_path):
+  entity_corpus(tmp_path)
+  config = _shrink(conll2003.get_config(), 12, dir=str(tmp_path))
+  config.pretrain.update(dict(enabled=True, num_train_steps=8, warmup_steps=2))
+  workdir = str(tmp_path / "run")
+  final = recipe.train(config, workdir)
+  assert {"eval/f1", "eval/loss"} <= set(final)
+  stage = os.path.join(workdir, "pretrain")
+  with open(os.path.join(stage, "config.json")) as f:
+    assert json.load(f)["task"] == "mlm"
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["init_from"] == os.path.join(stage, "checkpoints", "8")
+  # Both stages finished: the same command trains nothing more.
+  before = (_lines(stage), [l for l in _lines(workdir) if "train/loss" in l])
+  again = recipe.train(config, workdir)
+  assert again["eval/f1"] == pytest.approx(final["eval/f1"])
+  assert (_lines(stage), [l for l in _lines(workdir) if "train/loss" in l]) == before
+  tags = Predictor(workdir).predict_lines(["Smith visited Rome ."])
+  assert len(tags[0].split()) == 4
+
+
+def test_truncation_keeps_head_tail_or_both():
+  from transformer_jax.tasks.base import kept_tokens
+  x = np.arange(100)
+  assert (kept_tokens(x, 8, "head") == np.arange(8)).all()
+  assert (kept_tokens(x, 8, "tail") == np.arange(92, 100)).all()
+  assert (kept_tokens(x, 8, "head_tail") == np.r_[0:2, 94:100]).all()
+  assert (kept_tokens(x[:5], 8, "head_tail") == x[:5]).all()
