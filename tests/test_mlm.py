@@ -122,3 +122,16 @@ def test_truncation_keeps_head_tail_or_both():
   assert (kept_tokens(x, 8, "tail") == np.arange(92, 100)).all()
   assert (kept_tokens(x, 8, "head_tail") == np.r_[0:2, 94:100]).all()
   assert (kept_tokens(x[:5], 8, "head_tail") == x[:5]).all()
+
+
+def test_scoring_only_the_masked_positions_equals_the_full_output_there():
+  from conftest import random_tokens, tiny_config
+  from transformer_jax.modules.models import MaskedLanguageModel
+  model = MaskedLanguageModel(tiny_config(num_decoder_layers=0))
+  tokens = jnp.asarray(random_tokens(0, 2, 12))
+  params = model.init(jax.random.PRNGKey(0), tokens)
+  at = jnp.asarray([[3, 0, 7], [11, 5, 5]])
+  full = model.apply(params, tokens)
+  np.testing.assert_allclose(model.apply(params, tokens, predict_at=at),
+                             np.take_along_axis(np.asarray(full), np.asarray(at)[..., None], 1),
+                             rtol=1e-5, atol=1e-5)

@@ -310,9 +310,13 @@ class MaskedLanguageModel(nn.Module):
   @nn.compact
   def __call__(self, tokens: Array, *, chars: Array | None = None,
                positions: Array | None = None, segment_ids: Array | None = None,
-               train: bool = False) -> Array:
+               predict_at: Array | None = None, train: bool = False) -> Array:
+    """Logits (B, T, V), or (B, K, V) at the positions `predict_at` (B, K) only: the
+    output layer is most of the cost, and the loss reads only the masked positions."""
     cfg = self.config
     x = _encode_words(self, tokens, chars, positions, segment_ids, train)          # (B, T, D)
+    if predict_at is not None:
+      x = jnp.take_along_axis(x, predict_at[..., None], axis=1)                     # (B, K, D)
     x = nn.Dense(cfg.d_model, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
                  name="mlm_transform",
                  kernel_init=partitioned(nn.initializers.xavier_uniform(), ("embed", "mlp")),

@@ -18,6 +18,7 @@ where the word is replaced, so its spelling does not give it away.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -144,6 +145,12 @@ class MaskedLMTask(EncoderTask):
       masked["chars"] = jnp.where(replaced[..., None], PAD_ID, batch["chars"])
     return masked, chosen
 
+  def predictions_per_row(self, length: int) -> int:
+    """K, the positions of a row the output layer scores: twice the expected count of
+    chosen ones, which a row of real tokens exceeds with negligible probability (a chosen
+    position past the K-th is masked but not scored)."""
+    return min(length, max(1, math.ceil(2 * self.head["mask_rate"] * length)))
+
   def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
                 train: bool) -> dict[str, jax.Array]:
     if train:
@@ -151,9 +158,16 @@ class MaskedLMTask(EncoderTask):
     else:
       mask_rng = jax.random.PRNGKey(_EVAL_KEY)
     masked, chosen = self.masked_batch(batch, mask_rng)
-    return cross_entropy_sums(self.logits(params, masked, rng, train), batch["tokens"],
-                              self.label_smoothing if train else 0.0,
-                              weights=chosen.astype(jnp.float32))
+    # The chosen positions first, in order; K of them scored.
+    order = jnp.argsort(~chosen, axis=1, stable=True)
+    masked["predict_at"] = order[:, :self.predictions_per_row(chosen.shape[1])]
+    weights = jnp.take_along_axis(chosen, masked["predict_at"], 1).astype(jnp.float32)
+    return cross_entropy_sums(self.logits(params, masked, rng, train),
+                              jnp.take_along_axis(batch["tokens"], masked["predict_at"], 1),
+                              self.label_smoothing if train else 0.0, weights=weights)
+
+  def _extra_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+    return {"predict_at": batch["predict_at"]} if "predict_at" in batch else {}
 
   def _serving_scores(self, logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, -1).astype(jnp.int32)        # (B, S): the likeliest tokens
