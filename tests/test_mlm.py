@@ -135,3 +135,44 @@ def test_scoring_only_the_masked_positions_equals_the_full_output_there():
   np.testing.assert_allclose(model.apply(params, tokens, predict_at=at),
                              np.take_along_axis(np.asarray(full), np.asarray(at)[..., None], 1),
                              rtol=1e-5, atol=1e-5)
+
+
+def test_mlm_reads_the_text_of_a_classification_set_plus_extra_lines(tmp_path):
+  from test_data import write
+  from transformer_jax.options import DataOptions
+  from transformer_jax.tasks.mlm import MaskedLMTask
+  write(tmp_path / "train.tsv", ["sentence\tlabel", "good<br /><br />film\t1", "bad\t0"], gz=True)
+  write(tmp_path / "dev.tsv", ["sentence\tlabel", "fine\t1"], gz=False)
+  write(tmp_path / "unsup.txt", ["an unlabelled <br />review", "", "another"], gz=True)
+  data = DataOptions(source="local", dir=str(tmp_path), labels="neg,pos", eval_split="dev",
+                     text_of="classification", extra_text="unsup.txt", br_tags="space")
+  loaders, labels = MaskedLMTask.local_splits(str(tmp_path), ["train", "dev"], data)
+  assert labels is None
+  assert [r["text"] for r in loaders["train"]()] == [
+      "good film", "bad", "an unlabelled review", "another"]
+  assert [r["text"] for r in loaders["dev"]()] == ["fine"]
+  with pytest.raises(UserError, match="data.text_of"):
+    MaskedLMTask.local_splits(str(tmp_path), ["train"], DataOptions(source="local"))
+
+
+def test_eval_batches_bounded_by_tokens_keep_every_example():
+  from conftest import featurizing_task
+  from transformer_jax.data import pipeline
+  from transformer_jax.data.tokenizer import WordVocab
+  vocab = WordVocab.build([["w"]])
+  task = featurizing_task("classification", vocab, labels=("a", "b"))
+  records = [{"text": " ".join(["w"] * n), "label": 0} for n in range(1, 120, 3)]
+  batches, counts = pipeline.eval_batches(records, task, batch_size=16, max_length=64,
+                                          truncate="head_tail", batch_tokens=128)
+  assert counts.too_long == sum(n > 64 for n in range(1, 120, 3))
+  assert sorted(len(r["text"].split()) for b in batches for r in b.records) == list(range(1, 120, 3))
+  for batch in batches:
+    rows, length = batch.arrays["tokens"].shape
+    assert rows * length <= max(128, length) and rows <= 16
+
+
+def test_pretraining_and_init_from_together_are_refused(tmp_path):
+  config = sst2.get_config()
+  config.init_from = str(tmp_path)
+  with pytest.raises(UserError, match="pretrain.enabled"):
+    recipe.train(config, str(tmp_path / "run"))

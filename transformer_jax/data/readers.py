@@ -18,7 +18,7 @@ from transformer_jax.errors import MissingFileError, UserError
 _BOM = "\ufeff"
 
 _TAG = re.compile(r"^(O|[BI]-\S+)$")
-_BREAK = re.compile(r"\s*<br\s*/?>\s*", re.IGNORECASE)   # HTML line breaks, as in IMDB reviews
+_BREAK = re.compile(r"(\s*<br\s*/?>\s*)+", re.IGNORECASE)   # HTML line breaks, as in IMDB reviews
 _DOCSTART = "-DOCSTART-"
 
 
@@ -82,7 +82,7 @@ def read_parallel(source_path: str, target_path: str) -> list[dict[str, str]]:
 
 
 def breaks_to_spaces(text: str) -> str:
-  """`<br />` tags (and the spaces around them) become one space."""
+  """A run of `<br />` tags (and the spaces around them) becomes one space."""
   return _BREAK.sub(" ", text).strip()
 
 
