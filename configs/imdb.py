@@ -57,6 +57,6 @@ def get_config() -> ml_collections.ConfigDict:
   # 25,000 of them, then the classifier from its encoder in W. On by default (the issue's
   # recipe is one command; the stage has its own 60-minute budget). From scratch:
   # --config.pretrain.enabled=False (then the vocabulary is trained on train.tsv alone).
-  config.pretrain.update(dict(enabled=True, num_train_steps=6000, warmup_steps=500,
+  config.pretrain.update(dict(enabled=True, num_train_steps=4000, warmup_steps=500,
                               extra_text="unsup.txt"))
   return config
