@@ -26,7 +26,7 @@ PERCENTILES = (50, 75, 90, 95, 99, 100)
 def split_lengths(task_cls, source, split: str) -> np.ndarray:
   """Tokens of each example of `split` (words for a word vocabulary)."""
   lengths = []
-  for record in source._corpus.split(split):
+  for record in source.records(split):
     text = task_cls.tokenizer_texts(record)[0]
     lengths.append(len(text) if isinstance(text, list) else len(source.tokenizer.encode(text)))
   return np.asarray(lengths)

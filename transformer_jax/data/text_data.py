@@ -186,6 +186,10 @@ class TextData:
                     f"training examples; {self.tokenizer.kind} vocabulary of "
                     f"{' / '.join(f'{s:,}' for s in sizes)} ({origin})")
 
+  def records(self, split: str) -> Sequence[dict]:
+    """The records of `split`, as read."""
+    return self._corpus.split(split)
+
   @property
   def max_length(self) -> int:
     return max(self._config.max_length, self._config.eval_max_length)
