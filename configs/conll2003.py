@@ -52,6 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Self-pretraining (docs/pretraining.md): a masked LM on the training sentences' words in
   # W/pretrain first, then the tagger from its encoder, character CNN and vocabulary in W.
   # On by default: the issue's recipe is one command; 1,500 steps keep both stages within
-  # its 40-minute budget (benchmarks/RESULTS.md). From scratch: --config.pretrain.enabled=False.
+  # its 40-minute budget by the estimate in benchmarks/RESULTS.md (not yet timed whole).
+  # From scratch: --config.pretrain.enabled=False.
   config.pretrain.update(dict(enabled=True, num_train_steps=1500, warmup_steps=300))
   return config

@@ -40,8 +40,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.data = default.text_data(
       dir="../shared/data/imdb", labels="negative,positive", eval_split="dev",
-      vocab_size=8000, tokenizer_max_examples=25000, br_tags="space", max_length=256, too_long="truncate",
-      truncate="head_tail", max_segments=4, eval_max_length=256, eval_batch_tokens=16384)
+      vocab_size=8000, tokenizer_max_examples=25000, br_tags="space", max_length=256,
+      too_long="truncate", truncate="head_tail", max_segments=4, eval_max_length=256,
+      eval_batch_tokens=16384)
 
   config.model.update(dict(
       d_model=128, num_heads=4, d_ff=512, num_encoder_layers=2, num_decoder_layers=0,

@@ -52,6 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Self-pretraining (docs/pretraining.md): a masked LM on the training phrases' text in
   # W/pretrain first, then the classifier from its encoder and vocabulary in W. On by
   # default: the issue's recipe is one command, and both stages fit its 40-minute budget
-  # (benchmarks/RESULTS.md). From scratch: --config.pretrain.enabled=False.
+  # by the estimate in benchmarks/RESULTS.md (10-17 min of pretraining; not yet timed
+  # whole). From scratch: --config.pretrain.enabled=False.
   config.pretrain.update(dict(enabled=True, num_train_steps=3000, warmup_steps=300))
   return config
