@@ -51,12 +51,12 @@ def pretraining_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
   if pretrain.learning_rate:
     optimizer["learning_rate"] = pretrain.learning_rate
   steps = pretrain.num_train_steps
-  every = max(1, steps // 4)
   examples = config.get("eval", {}).get("examples", 0)
   config.update(
       task=MaskedLMTask.name, init_from="", num_train_steps=steps,
       batch_size=pretrain.batch_size or config["batch_size"], label_smoothing=0.0,
-      eval_every_steps=every, checkpoint_every_steps=every, keep_checkpoints=2,
+      eval_every_steps=min(config["eval_every_steps"], steps),
+      checkpoint_every_steps=min(config["checkpoint_every_steps"], steps), keep_checkpoints=2,
       average_checkpoints=0, keep_best_checkpoints=0, best_checkpoint_metric="eval/loss",
       best_checkpoint_mode="min", model=model, data=data, optimizer=optimizer,
       eval={**config.get("eval", {}),
