@@ -13,6 +13,8 @@ Reviews are long (benchmarks/RESULTS.md, "IMDB"): rows hold data.max_length toke
 longer review keeps its first quarter and its last three quarters (data.truncate=
 "head_tail": openings and verdicts carry the sentiment); evaluation batches hold at most
 data.eval_batch_tokens tokens, so a bucket of long reviews is split into fewer rows.
+`predict` does not truncate: it refuses a review longer than model.max_len tokens, naming
+its line (cut such reviews first, e.g. to their first 64 and last 192 tokens).
 
 From TFDS instead (prepared where there is internet: `tfds build imdb_reviews
 --file_format=array_record --data_dir=DIR`): --config.data.source=tfds
