@@ -11,7 +11,8 @@ from ml_collections import config_flags
 
 from transformer_jax import errors
 from transformer_jax.options import renamed_overrides
-from transformer_jax.training.loop import evaluate_saved, train_and_evaluate
+from transformer_jax.training.loop import evaluate_saved
+from transformer_jax.training.recipe import train
 
 # The default config is found next to this file, so `python path/to/train.py` works from any
 # directory; --config=PATH is relative to the current directory as usual.
@@ -52,7 +53,7 @@ def main(argv):
   if _EVAL_ONLY.value:
     evaluate_saved(_CONFIG.value, workdir, _CHECKPOINT.value)
   else:
-    train_and_evaluate(_CONFIG.value, workdir)
+    train(_CONFIG.value, workdir)   # with config.pretrain.enabled, pretraining first
 
 
 if __name__ == "__main__":

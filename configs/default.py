@@ -78,6 +78,15 @@ def get_config() -> ml_collections.ConfigDict:
                                                 shard_optimizer_state=False))
   config.distributed = ml_collections.ConfigDict(dict(
       initialize=False, coordinator_address="", num_processes=0, process_id=-1))
+  # Self-pretraining (encoder tasks; docs/pretraining.md): enabled, train.py first trains a
+  # masked LM on the training text in W/pretrain, then fine-tunes from it in W.
+  config.pretrain = ml_collections.ConfigDict(dict(
+      enabled=False, num_train_steps=2000,
+      batch_size=0,              # 0: the run's batch_size
+      learning_rate=0.0,         # 0: the run's optimizer.learning_rate
+      warmup_steps=500, mask_rate=0.15,
+      vocab_size=0,              # sentencepiece: 0 = data.vocab_size
+      extra_text=""))            # a file in data.dir, one text per line (IMDB: unsup.txt)
   return config
 
 
@@ -99,9 +108,14 @@ def text_data(**fields) -> ml_collections.ConfigDict:
       min_word_count=2,          # words: rarer words map to their shape (<unk:Xx>, ...)
       max_length=64,             # training: tokens per packed row and per example
       too_long="drop",           # drop | truncate training examples longer than max_length
+      truncate="head",           # a truncated example keeps its head | tail | head_tail
+      br_tags="keep",            # classification: "<br />" in the text: keep | space
+      text_of="",                # mlm: the task whose files hold the text
+      extra_text="",             # mlm: a file in dir, one text per line, added to train
       pack=True,                 # several examples per row (False: one, padded)
       max_segments=0,            # classification: label slots per packed row
       eval_max_length=128,       # evaluation: longest bucket (longer examples truncated)
+      eval_batch_tokens=0,       # evaluation: at most rows x length tokens a batch (0: rows)
       prefetch=2))               # batches prepared ahead in a background thread
   data.update(fields)
   return data

@@ -31,6 +31,7 @@ RENAMED_FIELDS = {
 DATA_SOURCES = ("synthetic", "local", "tfds")
 TOKENIZERS = ("sentencepiece", "words")
 TOO_LONG_POLICIES = ("drop", "truncate")
+TRUNCATIONS = ("head", "tail", "head_tail")   # which tokens a truncated example keeps
 SCHEDULES = ("rsqrt", "warmup_cosine", "constant")
 OPTIMIZERS = ("adam", "adamw")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -121,9 +122,14 @@ class DataOptions(_Options):
   tokenizer_max_examples: int = 0
   min_word_count: int = 2
   too_long: str = "drop"
+  truncate: str = "head"
+  br_tags: str = "keep"                     # classification: "<br />" kept, or a "space"
+  text_of: str = ""                         # mlm: the task whose files hold the text
+  extra_text: str = ""                      # mlm: a file of one text per line, added to train
   pack: bool = True
   max_segments: int = 0
   eval_max_length: int = 128
+  eval_batch_tokens: int = 0                # evaluation: rows x length bound (0: rows only)
   prefetch: int = 2
 
   def __post_init__(self) -> None:
@@ -138,6 +144,9 @@ class DataOptions(_Options):
       return
     _integer("data.", "eval_max_length", self.eval_max_length, 1)
     check_choice("data.", "too_long", self.too_long, TOO_LONG_POLICIES)
+    check_choice("data.", "truncate", self.truncate, TRUNCATIONS)
+    check_choice("data.", "br_tags", self.br_tags, ("keep", "space"))
+    _integer("data.", "eval_batch_tokens", self.eval_batch_tokens, 0)
     check_choice("data.", "tokenizer", self.tokenizer, TOKENIZERS)
 
   @property
@@ -207,6 +216,33 @@ class DistributedOptions(_Options):
   process_id: int = -1
 
 
+@dataclasses.dataclass(frozen=True)
+class PretrainOptions(_Options):
+  """Self-pretraining (training/recipe.py): with `enabled`, `train.py` first trains a
+  masked language model (task "mlm") on the text of the run's training split (plus the
+  lines of `extra_text` in data.dir) in W/pretrain, with its own vocabulary (`vocab_size`,
+  0: data.vocab_size), steps, batch (0: the run's) and peak learning rate (0: the run's),
+  then fine-tunes from it in W. `mask_rate`: the share of tokens the model predicts."""
+  enabled: bool = False
+  num_train_steps: int = 2000
+  batch_size: int = 0
+  learning_rate: float = 0.0
+  warmup_steps: int = 500
+  mask_rate: float = 0.15
+  vocab_size: int = 0
+  extra_text: str = ""
+
+  def __post_init__(self) -> None:
+    for name, low in (("num_train_steps", 1), ("batch_size", 0), ("warmup_steps", 0),
+                      ("vocab_size", 0)):
+      _integer("pretrain.", name, getattr(self, name), low)
+    if not isinstance(self.learning_rate, (int, float)) or self.learning_rate < 0:
+      raise UserError(f"pretrain.learning_rate={self.learning_rate!r}: must be >= 0 (0: the "
+                      "run's optimizer.learning_rate)")
+    if not isinstance(self.mask_rate, (int, float)) or not 0 < self.mask_rate < 1:
+      raise UserError(f"pretrain.mask_rate={self.mask_rate!r}: must be in (0, 1)")
+
+
 _POSITIVE_FIELDS = ("num_train_steps", "log_every_steps", "eval_every_steps",
                     "checkpoint_every_steps", "keep_checkpoints", "batch_size",
                     "grad_accum_steps")
@@ -269,11 +305,13 @@ class RunOptions:
   eval: EvalOptions
   mesh: MeshOptions
   distributed: DistributedOptions
+  pretrain: PretrainOptions
   as_given: Mapping[str, Any]
 
   GROUPS: ClassVar[dict[str, type[_Options]]] = {
       "data": DataOptions, "optimizer": OptimizerOptions, "decode": DecodeOptions,
-      "eval": EvalOptions, "mesh": MeshOptions, "distributed": DistributedOptions}
+      "eval": EvalOptions, "mesh": MeshOptions, "distributed": DistributedOptions,
+      "pretrain": PretrainOptions}
 
   @classmethod
   def from_config(cls, config: Any) -> "RunOptions":

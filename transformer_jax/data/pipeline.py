@@ -30,7 +30,7 @@ import numpy as np
 # In inputs.py, shared with the flax-free serving loader, which buckets lines the same way.
 from transformer_jax.inputs import bucket_for, bucket_lengths
 from transformer_jax.errors import UserError
-from transformer_jax.options import TOO_LONG_POLICIES, check_choice
+from transformer_jax.options import TOO_LONG_POLICIES, TRUNCATIONS, check_choice
 
 
 Example = dict[str, np.ndarray]
@@ -42,7 +42,7 @@ class Featurizing(Protocol):
   def featurize(self, record: dict) -> Example: ...
   def is_empty(self, example: Example) -> bool: ...
   def example_length(self, example: Example) -> int: ...
-  def truncate(self, example: Example, length: int) -> Example: ...
+  def truncate(self, example: Example, length: int, keep: str = "head") -> Example: ...
   def packing_lengths(self, length: int, max_per_row: int | None) -> dict[str, int]: ...
   def model_batch(self, packed: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]: ...
 
@@ -63,9 +63,9 @@ _COUNTS = "counts"   # Rides along with each example: the running Counts after r
 class _LengthLimitIterator(grain.DatasetIterator):
 
   def __init__(self, parent: grain.DatasetIterator, task: Featurizing, max_length: int,
-               policy: str):
+               policy: str, keep: str):
     super().__init__(parent)
-    self._task, self._max_length, self._policy = task, max_length, policy
+    self._task, self._max_length, self._policy, self._keep = task, max_length, policy, keep
     self._counts = Counts()
 
   def __next__(self) -> Example:
@@ -79,7 +79,7 @@ class _LengthLimitIterator(grain.DatasetIterator):
         self._counts.too_long += 1
         if self._policy == "drop":
           continue
-        example = self._task.truncate(example, self._max_length)
+        example = self._task.truncate(example, self._max_length, self._keep)
       return {**example, _COUNTS: np.asarray(dataclasses.astuple(self._counts), np.int64)}
 
   def get_state(self) -> dict:
@@ -96,10 +96,11 @@ class _LengthLimit(grain.IterDataset):
   batch it is packed into; the iterator state carries them too, so they survive a resume."""
 
   def __init__(self, parent: grain.IterDataset, task: Featurizing, max_length: int,
-               policy: str):
+               policy: str, keep: str = "head"):
     super().__init__(parent)
     check_choice("data.", "too_long", policy, TOO_LONG_POLICIES)
-    self._args = (task, max_length, policy)
+    check_choice("data.", "truncate", keep, TRUNCATIONS)
+    self._args = (task, max_length, policy, keep)
 
   def __iter__(self) -> grain.DatasetIterator:
     return _LengthLimitIterator(self._parent.__iter__(), *self._args)
@@ -195,7 +196,8 @@ class TrainIterator:
 
 
 def train_iterator(records: Sequence[dict], task: Featurizing, *, batch_size: int,
-                   max_length: int, seed: int, too_long: str = "drop", pack: bool = True,
+                   max_length: int, seed: int, too_long: str = "drop",
+                   truncate: str = "head", pack: bool = True,
                    max_segments: int = 0, shard_index: int = 0, shard_count: int = 1,
                    num_epochs: int | None = None, prefetch: int = 2,
                    read_threads: int = 1) -> TrainIterator:
@@ -220,7 +222,7 @@ def train_iterator(records: Sequence[dict], task: Featurizing, *, batch_size: in
     ds = ds.shuffle(seed).repeat(num_epochs).map(task.featurize)
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads,
                                               prefetch_buffer_size=4 * rows))
-    ds = _LengthLimit(ds, task, max_length, too_long)
+    ds = _LengthLimit(ds, task, max_length, too_long, truncate)
     ds = _rows(ds, task, max_length, rows, seed, max_per_row, counted=True)
     if prefetch:
       ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
@@ -238,9 +240,12 @@ class EvalBatch(NamedTuple):
 
 
 def eval_batches(records: Sequence[dict], task: Featurizing, *, batch_size: int,
-                 max_length: int) -> tuple[list[EvalBatch], Counts]:
+                 max_length: int, truncate: str = "head",
+                 batch_tokens: int = 0) -> tuple[list[EvalBatch], Counts]:
   """Every record, bucketed by length (see module doc); returns the batches and the count
-  of examples truncated to `max_length`."""
+  of examples truncated to `max_length` (keeping the tokens `truncate` says). A bucket's
+  batches have `batch_size` rows, or fewer where `batch_tokens` > 0 bounds rows x length
+  (long reviews would otherwise make one batch, and its attention, huge)."""
   buckets = bucket_lengths(max_length)
   counts = Counts(examples=len(records))
   grouped: dict[int, list[tuple[dict, Example]]] = {b: [] for b in buckets}
@@ -249,14 +254,15 @@ def eval_batches(records: Sequence[dict], task: Featurizing, *, batch_size: int,
     length = task.example_length(example)
     if length > max_length:
       counts.too_long += 1
-      example = task.truncate(example, max_length)
+      example = task.truncate(example, max_length, truncate)
     grouped[bucket_for(length, buckets)].append((record, example))
   batches = []
   for length, members in grouped.items():
-    for start in range(0, len(members), batch_size):
-      chunk = members[start:start + batch_size]
+    rows = min(batch_size, max(1, batch_tokens // length)) if batch_tokens else batch_size
+    for start in range(0, len(members), rows):
+      chunk = members[start:start + rows]
       ds = grain.MapDataset.source([e for _, e in chunk]).to_iter_dataset(
           grain.ReadOptions(num_threads=0))
-      (arrays,) = list(_rows(ds, task, length, batch_size, 0, max_per_row=1))
+      (arrays,) = list(_rows(ds, task, length, rows, 0, max_per_row=1))
       batches.append(EvalBatch(arrays, [r for r, _ in chunk]))
   return batches, counts

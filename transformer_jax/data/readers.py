@@ -11,13 +11,14 @@ import gzip
 import os
 import re
 import zlib
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from transformer_jax.errors import MissingFileError, UserError
 
 _BOM = "\ufeff"
 
 _TAG = re.compile(r"^(O|[BI]-\S+)$")
+_BREAK = re.compile(r"(\s*<br\s*/?>\s*)+", re.IGNORECASE)   # HTML line breaks, as in IMDB reviews
 _DOCSTART = "-DOCSTART-"
 
 
@@ -80,9 +81,33 @@ def read_parallel(source_path: str, target_path: str) -> list[dict[str, str]]:
   return [{"source": s, "target": t} for s, t in zip(sources, targets)]
 
 
-def read_tsv(path: str, label_names: Sequence[str]) -> list[dict]:
+def breaks_to_spaces(text: str) -> str:
+  """A run of `<br />` tags (and the spaces around them) becomes one space."""
+  return _BREAK.sub(" ", text).strip()
+
+
+def text_cleaner(br_tags: str) -> Callable[[str], str]:
+  """The text transform that config data.br_tags names ("keep" or "space")."""
+  return breaks_to_spaces if br_tags == "space" else _unchanged
+
+
+def _unchanged(text: str) -> str:
+  return text
+
+
+def read_text(path: str, clean: Callable[[str], str] = _unchanged) -> list[str]:
+  """One text per line (blank lines skipped), e.g. unlabelled reviews."""
+  texts = [clean(text.strip()) for _, text in read_lines(path)]
+  texts = [t for t in texts if t]
+  if not texts:
+    raise no_examples(path)
+  return texts
+
+
+def read_tsv(path: str, label_names: Sequence[str],
+             clean: Callable[[str], str] = _unchanged) -> list[dict]:
   """Rows `sentence<TAB>label`, an optional header `sentence<TAB>label` first. A label is
-  an index into `label_names` or one of the names."""
+  an index into `label_names` or one of the names. `clean` transforms each sentence."""
   lookup = {name: i for i, name in enumerate(label_names)}
   lookup.update({str(i): i for i in range(len(label_names))})
   records = []
@@ -99,7 +124,7 @@ def read_tsv(path: str, label_names: Sequence[str]) -> list[dict]:
     if label not in lookup:
       raise DataFormatError(f"{path}:{number}: unknown label {label!r}; the labels are "
                             f"{', '.join(sorted(lookup))} (config data.labels)")
-    records.append({"text": fields[0].strip(), "label": lookup[label]})
+    records.append({"text": clean(fields[0].strip()), "label": lookup[label]})
   if not records:
     raise no_examples(path)
   return records

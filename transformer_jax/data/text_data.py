@@ -82,6 +82,7 @@ def _train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: DataOptio
 # Data-config fields that change what tokenizer training produces.
 _TOKENIZER_SETTINGS = ("tokenizer", "vocab_size", "spm_model_type", "shared_vocab",
                        "min_word_count", "tokenizer_max_examples", "train_split")
+_TEXT_SETTINGS = {"br_tags": "keep", "text_of": "", "extra_text": ""}   # field: its default
 
 
 def tokenizer_identity(task: TokenizerTraining, corpus: Corpus, config: DataOptions,
@@ -92,6 +93,9 @@ def tokenizer_identity(task: TokenizerTraining, corpus: Corpus, config: DataOpti
   settings = {k: getattr(config, k) for k in _TOKENIZER_SETTINGS}
   if config.tokenizer_max_examples > 0:
     settings["seed"] = seed
+  # Later settings that change the text, recorded only when set: earlier workdirs still match.
+  settings.update({k: getattr(config, k) for k, unset in _TEXT_SETTINGS.items()
+                   if getattr(config, k) != unset})
   identity = {"task": task.name, "training_data": corpus.origin(config.train_split),
               "settings": settings}
   digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
@@ -182,6 +186,10 @@ class TextData:
                     f"training examples; {self.tokenizer.kind} vocabulary of "
                     f"{' / '.join(f'{s:,}' for s in sizes)} ({origin})")
 
+  def records(self, split: str) -> Sequence[dict]:
+    """The records of `split`, as read."""
+    return self._corpus.split(split)
+
   @property
   def max_length(self) -> int:
     return max(self._config.max_length, self._config.eval_max_length)
@@ -198,7 +206,7 @@ class TextData:
     return pipeline.train_iterator(
         self._corpus.split(c.train_split), task,
         batch_size=batch_size, max_length=c.max_length, seed=self._seed,
-        too_long=c.too_long, pack=c.pack, max_segments=c.max_segments,
+        too_long=c.too_long, truncate=c.truncate, pack=c.pack, max_segments=c.max_segments,
         shard_index=shard_index, shard_count=shard_count, num_epochs=num_epochs,
         prefetch=c.prefetch)
 
@@ -209,8 +217,10 @@ class TextData:
     count = len(records) if limit <= 0 else min(limit, len(records))
     batches, counts = pipeline.eval_batches(
         [records[i] for i in range(count)], task, batch_size=batch_size,
-        max_length=self._config.eval_max_length)
+        max_length=self._config.eval_max_length, truncate=self._config.truncate,
+        batch_tokens=self._config.eval_batch_tokens)
     if counts.too_long:
       print(f"data: {counts.too_long} of {count} {split} examples are longer than "
-            f"data.eval_max_length={self._config.eval_max_length} tokens and were truncated")
+            f"data.eval_max_length={self._config.eval_max_length} tokens and were truncated "
+            f"(data.truncate={self._config.truncate!r})")
     return batches

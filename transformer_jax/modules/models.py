@@ -297,6 +297,39 @@ class TokenClassifier(nn.Module):
     return _classifier_layer(cfg, self.num_labels)(x).astype(jnp.float32)
 
 
+class MaskedLanguageModel(nn.Module):
+  """Masked-LM pretraining of the encoder (BERT): encoder, a transform (dense, GELU,
+  LayerNorm), then logits tied to the encoder's token embedding plus a bias -> (B, T, V).
+  The encoder and character features carry the names they have in EncoderClassifier and
+  TokenClassifier, so a fine-tuning run's `init_from` takes them over; the rest is the
+  pretraining head, which it leaves behind."""
+
+  config: TransformerConfig
+  char_features: int = 0    # width of the character CNN; 0: words only
+
+  @nn.compact
+  def __call__(self, tokens: Array, *, chars: Array | None = None,
+               positions: Array | None = None, segment_ids: Array | None = None,
+               predict_at: Array | None = None, train: bool = False) -> Array:
+    """Logits (B, T, V), or (B, K, V) at the positions `predict_at` (B, K) only: the
+    output layer is most of the cost, and the loss reads only the masked positions."""
+    cfg = self.config
+    x = _encode_words(self, tokens, chars, positions, segment_ids, train)          # (B, T, D)
+    if predict_at is not None:
+      x = jnp.take_along_axis(x, predict_at[..., None], axis=1)                     # (B, K, D)
+    x = nn.Dense(cfg.d_model, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
+                 name="mlm_transform",
+                 kernel_init=partitioned(nn.initializers.xavier_uniform(), ("embed", "mlp")),
+                 bias_init=partitioned(nn.initializers.zeros_init(), ("mlp",)))(x)
+    x = layer_norm(cfg, "mlm_norm")(nn.gelu(x)).astype(cfg.compute_dtype)
+    table = nn.meta.unbox(self.variables["params"]["encoder"]["embedding"]["embedding"])
+    table = table.astype(cfg.compute_dtype)                                          # (V, D)
+    logits = tied_projection(x, table) if train else jnp.einsum("btd,vd->btv", x, table)
+    bias = self.param("mlm_bias", partitioned(nn.initializers.zeros_init(), ("vocab",)),
+                      (cfg.vocab_size,), cfg.params_dtype)
+    return (logits + bias.astype(logits.dtype)).astype(jnp.float32)
+
+
 _CRF_PARAMS = (("crf_start", lambda n: (n,), ("classes",)),
                ("crf_transitions", lambda n: (n, n), ("classes", None)),
                ("crf_end", lambda n: (n,), ("classes",)))

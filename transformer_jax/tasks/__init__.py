@@ -9,13 +9,14 @@ from typing import Any, Mapping, Sequence
 from transformer_jax.config import TransformerConfig
 from transformer_jax.tasks.base import EvalBatch, Task
 from transformer_jax.tasks.classification import ClassificationTask
+from transformer_jax.tasks.mlm import MaskedLMTask
 from transformer_jax.tasks.tagging import TaggingTask
 from transformer_jax.tasks.seq2seq import Seq2SeqTask
 from transformer_jax.errors import UserError
 from transformer_jax.options import TrainOptions
 
 TASKS: dict[str, type[Task]] = {
-    t.name: t for t in (Seq2SeqTask, ClassificationTask, TaggingTask)}
+    t.name: t for t in (Seq2SeqTask, ClassificationTask, TaggingTask, MaskedLMTask)}
 
 
 def task_class(name: str) -> type[Task]:
@@ -44,4 +45,4 @@ def from_run_config(run_config: Mapping[str, Any], *, tokenizer: Any = None,
 
 
 __all__ = ["TASKS", "Task", "EvalBatch", "Seq2SeqTask", "ClassificationTask",
-           "TaggingTask", "task_class", "split_model_fields", "from_run_config"]
+           "TaggingTask", "MaskedLMTask", "task_class", "split_model_fields", "from_run_config"]

@@ -73,6 +73,14 @@ def padded_getter(packed: dict[str, np.ndarray], rows: int) -> Callable[[str], n
   return get
 
 
+def kept_tokens(x: np.ndarray, length: int, keep: str) -> np.ndarray:
+  """The `length` entries of x's first axis that truncation keeps (see Task.truncate)."""
+  if len(x) <= length:
+    return x
+  head = {"head": length, "tail": 0, "head_tail": length // 4}[keep]
+  return np.concatenate([x[:head], x[len(x) - (length - head):]])
+
+
 def check_label_smoothing(value: float) -> None:
   if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
     raise UserError(f"label_smoothing={value!r}: must be in [0, 1)")
@@ -91,6 +99,10 @@ class Task(abc.ABC):
   # Model-group config fields that configure the task's head, not TransformerConfig, with
   # their defaults.
   head_options: ClassVar[dict[str, Any]] = {}
+  # Head options that shape parameters a pretraining task's model shares with this one's
+  # (init_from takes them from the pretrained model), and whether this is such a task.
+  carried_head_options: ClassVar[tuple[str, ...]] = ()
+  pretraining: ClassVar[bool] = False
   needs_labels: ClassVar[bool] = False
   has_target_text: ClassVar[bool] = False   # a target side with a tokenizer of its own
 
@@ -154,8 +166,13 @@ class Task(abc.ABC):
   def example_length(self, example: Example) -> int:
     return max(len(example[k]) for k in self.sequence_keys)
 
-  def truncate(self, example: Example, length: int) -> Example:
-    return {k: v[:length] if k in self.sequence_keys else v for k, v in example.items()}
+  def truncate(self, example: Example, length: int, keep: str = "head") -> Example:
+    """The example cut to `length` tokens: its first ones (keep="head"), its last ("tail"),
+    or a quarter from the start and the rest from the end ("head_tail": the beginning and
+    the conclusion of a long review; Sun et al. 2019, "How to Fine-Tune BERT for Text
+    Classification", found it best on IMDB)."""
+    return {k: kept_tokens(v, length, keep) if k in self.sequence_keys else v
+            for k, v in example.items()}
 
   def packing_lengths(self, length: int, max_per_row: int | None) -> dict[str, int]:
     """Grain's packing `length_struct`: `length` slots per sequence feature."""

@@ -52,15 +52,19 @@ class ClassificationTask(EncoderTask):
       raise UserError(f"data.labels={data.labels!r}: give the class names, "
                       "comma-separated, in label-index order (e.g. 'negative,positive')")
 
+    clean = readers.text_cleaner(data.br_tags)
+
     def loader(split: str) -> Callable[[], Sequence[dict]]:
-      return lambda: readers.read_tsv(readers.find_file(directory, f"{split}.tsv"), labels)
+      return lambda: readers.read_tsv(readers.find_file(directory, f"{split}.tsv"), labels,
+                                      clean)
     return {s: loader(s) for s in splits}, labels
 
   @classmethod
   def tfds_converter(cls, name: str, data: DataOptions) -> Callable[[dict, int], dict]:
     from transformer_jax.data.tfds_source import feature_text
     text, label = _tfds_features(name)
-    return lambda ex, i: {"text": feature_text(ex[text]), "label": int(ex[label])}
+    clean = readers.text_cleaner(data.br_tags)
+    return lambda ex, i: {"text": clean(feature_text(ex[text])), "label": int(ex[label])}
 
   @classmethod
   def tfds_labels(cls, features: Any, name: str) -> list[str]:

@@ -31,6 +31,7 @@ class EncoderTask(Task):
   token_keys = {"tokens": "source"}
   counted_keys = ("tokens",)
   head_options = {"char_features": 0, "char_max_length": 16, "word_dropout": 0.0}
+  carried_head_options = ("char_features", "char_max_length")   # the character CNN's
 
   def __init__(self, *args: Any, **kwargs: Any):
     super().__init__(*args, **kwargs)

@@ -67,12 +67,19 @@ def model_config(options: RunOptions, task: type[Task], vocab_size: int,
                  target_vocab_size: int | None = None,
                  pretrained: dict | None = None) -> tuple[TransformerConfig, dict]:
   """The config's model group with the data's vocabulary sizes (target_vocab_size: a
-  separate target vocabulary), and the task's head options. With a `pretrained` model group
+  separate target vocabulary), and the task's head options. With a `pretrained` run config
   (init_from), the architecture is the pretrained model's and only FINE_TUNING_FIELDS come
-  from the config."""
+  from the config; a model of another task (a pretrained encoder) gives the architecture
+  and the head options that shape the encoder's parameters, the config the others."""
   model = dict(options.model)
   if pretrained is not None:   # its vocabulary sizes too: the data uses its tokenizers
-    model = {**pretrained, **{k: model[k] for k in FINE_TUNING_FIELDS if k in model}}
+    saved = dict(pretrained["model"])
+    if TrainOptions.from_dict(pretrained).task != task.name:
+      architecture = {f.name for f in dataclasses.fields(TransformerConfig)}
+      saved = {**{k: model[k] for k in task.head_options if k in model},
+               **{k: v for k, v in saved.items()
+                  if k in architecture or k in task.carried_head_options}}
+    model = {**saved, **{k: model[k] for k in FINE_TUNING_FIELDS if k in model}}
     fields, head = tasks.split_model_fields(task, model)
     if fields["vocab_size"] != vocab_size:
       raise UserError(f"init_from: the pretrained model has {fields['vocab_size']} source "
@@ -101,7 +108,7 @@ def _pretrained(train: TrainOptions, task: type[Task]) -> checkpoint.ModelRecord
   model = checkpoint.read_record(path)
   saved = upgrade(model.config)
   saved_task = TrainOptions.from_dict(saved).task
-  if saved_task != task.name:
+  if saved_task != task.name and not tasks.task_class(saved_task).pretraining:
     raise UserError(f"init_from={path!r} holds a {saved_task} model; "
                      f"this run's task is {task.name}")
   return dataclasses.replace(model, config=saved)
@@ -112,8 +119,10 @@ def _check_same_text_assets(pretrained: checkpoint.ModelRecord, source: Any) -> 
   saved tokenizers cannot fine-tune it)."""
   theirs = tokenizer_item(pretrained.assets.tokenizer, pretrained.assets.target_tokenizer,
                           pretrained.assets.labels)
-  ours = tokenizer_item(source.tokenizer, source.target_tokenizer,
-                        theirs["labels"] if source.labels is None else source.labels)
+  labels = source.labels   # A pretraining model has no labels: any fit.
+  if labels is None or theirs["labels"] is None:
+    labels = theirs["labels"]
+  ours = tokenizer_item(source.tokenizer, source.target_tokenizer, labels)
   if ours != theirs:
     raise UserError(f"init_from={pretrained.path!r}: the workdir's tokenizers or the data's "
                      "labels differ from the pretrained model's; use a fresh --workdir")
@@ -126,6 +135,23 @@ def _check_model_and_optimizer(options: RunOptions, task: type[Task]) -> None:
                      and not options.data.shared_vocab)
   stand_in = 2 * len(SPECIALS)
   model_config(options, task, stand_in, stand_in if separate_target else None)
+
+
+def _carry_modules(fresh: Any, saved: Any, path: str) -> tuple[Any, list[str]]:
+  """`fresh` with each top-level module that `saved` also has replaced by the saved one
+  (placed on the fresh one's devices), and those modules' names."""
+  shared = sorted(set(fresh) & set(saved))
+  for name in shared:
+    shapes = [jax.tree_util.tree_map(lambda x: x.shape, tree[name]) for tree in (fresh, saved)]
+    if shapes[0] != shapes[1]:
+      raise UserError(f"init_from={path!r}: its {name!r} parameters do not fit this "
+                      "model's; pretrain with this config's model group")
+  if not shared:
+    raise UserError(f"init_from={path!r}: the pretrained model shares no module with this "
+                    "task's model")
+  carried = {name: jax.tree_util.tree_map(lambda s, f: jax.device_put(s, f.sharding),
+                                          saved[name], fresh[name]) for name in shared}
+  return {**fresh, **carried}, shared
 
 
 @dataclasses.dataclass
@@ -179,7 +205,7 @@ class Experiment:
     elif labels is None and task_cls.needs_labels:
       labels = parse_labels(options.data.labels)
     model_cfg, head = model_config(options, task_cls, *vocab_sizes,
-                                   pretrained=pretrained and pretrained.config["model"])
+                                   pretrained=pretrained and pretrained.config)
     task = task_cls(model_cfg, tokenizer=source and source.tokenizer,
                     target_tokenizer=source and source.target_tokenizer, labels=labels,
                     label_smoothing=train.label_smoothing, head=head)
@@ -241,11 +267,16 @@ class Experiment:
     return sharding.abstract_sharded(lambda: self.task.init_params(jax.random.PRNGKey(0)),
                                      self.mesh)
 
-  def initial_params(self) -> Any:
+  def initial_params(self, fresh: Any) -> tuple[Any, list[str]]:
     """The pretrained parameters (init_from), restored straight into their shardings (the
-    state's: the same rules on the same mesh)."""
-    abstract, _ = self.abstract_params()
-    return checkpoint.restore_params(self.pretrained.path, abstract)
+    state's: the same rules on the same mesh), and [] (all of them). A model of another
+    task (a pretraining task's) gives only the modules both models have (the encoder, its
+    character features), whose names come second; the others stay as in `fresh`."""
+    if TrainOptions.from_dict(self.pretrained.config).task == self.task.name:
+      abstract, _ = self.abstract_params()
+      return checkpoint.restore_params(self.pretrained.path, abstract), []
+    return _carry_modules(fresh, checkpoint.restore_params(self.pretrained.path),
+                          self.pretrained.path)
 
   # ------------------------------------------------------------------------ steps
   def train_step(self, state_sharding: Any) -> Callable:

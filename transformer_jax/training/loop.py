@@ -221,8 +221,11 @@ def _train(options: RunOptions, workdir: str) -> dict[str, float]:
     batches.set_state(restored.data_state)
     print(f"resumed from step {restored.step}")
   elif experiment.pretrained:     # Fine-tuning: the pretrained weights, a fresh optimizer.
-    state = state.replace(params=experiment.initial_params())
-    print(f"initialised from {experiment.pretrained.path} (step {experiment.pretrained.step})")
+    params, carried = experiment.initial_params(state.params)
+    state = state.replace(params=params)
+    what = f" {', '.join(carried)} (the rest fresh)" if carried else ""
+    print(f"initialised{what} from {experiment.pretrained.path} (step "
+          f"{experiment.pretrained.step})")
   start_step = int(state.step)
   _write_run_files(workdir, experiment.resolved_config())
 

@@ -1,0 +1,99 @@
+"""Self-pretraining, then fine-tuning: what `python train.py` runs for a config whose
+`pretrain` group is enabled (options.PretrainOptions).
+
+  W/pretrain/   stage 1: a masked language model (task "mlm") on the run's training text,
+                with the vocabulary trained there (`pretraining_config` derives its config)
+  W/            stage 2: the run's own task with init_from=W/pretrain/checkpoints/<last>:
+                the encoder and vocabulary carried over, the head fresh
+
+Each stage is an ordinary run in its workdir, so the same command again resumes whichever
+stage is unfinished, and `predict --workdir W` serves the fine-tuned model. The stages can
+also be run apart: the pretraining config alone (configs/sst2_pretrain.py), then the task's
+config with --config.init_from=W/pretrain/checkpoints/<last>.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import time
+from typing import Any, Mapping
+
+from transformer_jax import checkpoint, tasks
+from transformer_jax.config import TransformerConfig
+from transformer_jax.errors import UserError
+from transformer_jax.options import PretrainOptions, RunOptions
+from transformer_jax.tasks.mlm import MaskedLMTask
+from transformer_jax.training.experiment import validate
+from transformer_jax.training.loop import train_and_evaluate
+
+PRETRAIN_DIR = "pretrain"
+_EVAL_EXAMPLES = 1000   # the masked-LM evaluation needs no more than this many texts
+
+
+def pretraining_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
+  """The masked-LM run that pretrains the encoder of `run_config` (a classification or
+  tagging run config, as a plain dict) on the text of its training split: the same
+  encoder, data files and tokenizer settings; steps, batch, learning rate, masking rate,
+  vocabulary size and extra text from its `pretrain` group."""
+  config = copy.deepcopy(dict(run_config))
+  pretrain = PretrainOptions.from_dict(config.get("pretrain"))
+  architecture = {f.name for f in dataclasses.fields(TransformerConfig)}
+  model = {k: v for k, v in config["model"].items()
+           if k in architecture or k in MaskedLMTask.carried_head_options}
+  model.update(mask_rate=pretrain.mask_rate, word_dropout=0.0)   # masking does its work
+  data = {**config["data"], "text_of": config["task"], "extra_text": pretrain.extra_text,
+          "test_split": ""}   # a test split is read once per reported configuration
+  if pretrain.vocab_size:
+    data["vocab_size"] = pretrain.vocab_size
+  optimizer = {**config["optimizer"], "warmup_steps": pretrain.warmup_steps}
+  if pretrain.learning_rate:
+    optimizer["learning_rate"] = pretrain.learning_rate
+  steps = pretrain.num_train_steps
+  examples = config.get("eval", {}).get("examples", 0)
+  config.update(
+      task=MaskedLMTask.name, init_from="", num_train_steps=steps,
+      batch_size=pretrain.batch_size or config["batch_size"], label_smoothing=0.0,
+      eval_every_steps=min(config["eval_every_steps"], steps),
+      checkpoint_every_steps=min(config["checkpoint_every_steps"], steps), keep_checkpoints=2,
+      average_checkpoints=0, keep_best_checkpoints=0, best_checkpoint_metric="eval/loss",
+      best_checkpoint_mode="min", model=model, data=data, optimizer=optimizer,
+      eval={**config.get("eval", {}),
+            "examples": min(examples, _EVAL_EXAMPLES) if examples else _EVAL_EXAMPLES},
+      pretrain={**config.get("pretrain", {}), "enabled": False})
+  return config
+
+
+def pretrained_path(workdir: str, num_train_steps: int) -> str | None:
+  """The pretraining stage's final checkpoint in `workdir`/pretrain, if it is there."""
+  directory = os.path.join(workdir, PRETRAIN_DIR, checkpoint.CHECKPOINT_DIR)
+  steps = checkpoint.checkpoint_steps(directory) if os.path.isdir(directory) else []
+  done = [s for s in steps if s >= num_train_steps]
+  return os.path.join(directory, str(max(done))) if done else None
+
+
+def train(config: Any, workdir: str) -> dict[str, float]:
+  """`train_and_evaluate`, preceded by the pretraining stage when config.pretrain.enabled
+  (skipped once its final checkpoint exists). Returns the fine-tuned run's final metrics
+  ({} if a stage was stopped by a signal)."""
+  options = RunOptions.parse(config)
+  if not options.pretrain.enabled:
+    return train_and_evaluate(options, workdir)
+  if options.train.init_from:
+    raise UserError("config.init_from and pretrain.enabled both give the starting encoder: "
+                    "set --config.pretrain.enabled=False to fine-tune from init_from")
+  stage = RunOptions.parse(pretraining_config(options.as_given))
+  # Both stages' configs are checked before either starts (the data is read by each).
+  validate(options, tasks.task_class(options.train.task))
+  validate(stage, MaskedLMTask)
+  steps = stage.train.num_train_steps
+  if pretrained_path(workdir, steps) is None:
+    started = time.perf_counter()
+    print(f"pretraining stage ({steps} steps of masked-LM) in {workdir}/{PRETRAIN_DIR}")
+    if not train_and_evaluate(stage, os.path.join(workdir, PRETRAIN_DIR)):
+      return {}
+    print(f"pretraining stage took {time.perf_counter() - started:.0f} s")
+  init_from = pretrained_path(workdir, steps)
+  print(f"fine-tuning stage from {init_from}")
+  return train_and_evaluate({**options.as_given, "init_from": init_from}, workdir)
