@@ -383,9 +383,13 @@ def test_a_finite_step_is_optax_s_update_of_the_mean_gradient():
     sums = task.loss_sums(p, batch, jax.random.PRNGKey(0), True)   # dropout 0: any key
     return sums["loss"] / jnp.maximum(sums["weight"], 1.0)
 
-  grads = jax.grad(mean_loss)(params)
-  updates, want_opt = _OPTIMIZERS["adam"].update(grads, opt_state, params)
-  want = optax.apply_updates(params, updates)
+  @jax.jit   # one compiled program instead of op-by-op dispatch (seconds, not tens)
+  def by_hand(params, opt_state):
+    updates, opt_state = _OPTIMIZERS["adam"].update(jax.grad(mean_loss)(params), opt_state,
+                                                    params)
+    return optax.apply_updates(params, updates), opt_state
+
+  want, want_opt = by_hand(params, opt_state)
   got, metrics = _train_step(0.0)(state, batch)
   assert int(metrics["nonfinite"]) == 0
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(_np_tree(got.params))[0],
@@ -393,7 +397,7 @@ def test_a_finite_step_is_optax_s_update_of_the_mean_gradient():
     # A key bias's gradient is rounding noise (softmax ignores a shift shared by a query's
     # scores), and Adam's first step is about lr * sign(gradient): not comparable.
     if "['key']['bias']" not in jax.tree_util.keystr(path):
-      np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)   # updates are ~LR
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(_np_tree(got.opt_state))[0],
                           jax.tree_util.tree_leaves(_np_tree(want_opt))):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-9, err_msg=jax.tree_util.keystr(path))
