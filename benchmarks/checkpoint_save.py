@@ -19,10 +19,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import flags, logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags, logging
 
 from configs import default, multi30k, wmt14_ende_base
 from transformer_jax import errors

@@ -27,8 +27,8 @@ from ml_collections import config_flags
 
 from transformer_jax.accelerators import KNOWN_PEAKS, compiled_memory  # noqa: F401 (re-exported)
 from transformer_jax.config import BOS_ID, PAD_ID, UNK_ID, TransformerConfig
-from transformer_jax.modules.models import REMAT_POLICIES
 from transformer_jax.errors import UserError
+from transformer_jax.modules.models import REMAT_POLICIES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

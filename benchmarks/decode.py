@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import jax
 import flax.linen as nn
+import jax
 import numpy as np
 from absl import flags, logging
 

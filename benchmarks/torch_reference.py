@@ -28,8 +28,8 @@ from transformer_jax.modules.embedding import sinusoidal_table
 
 try:
   import torch
-  from torch import nn
   import torch.nn.functional as F
+  from torch import nn
 except ImportError as e:  # pragma: no cover - depends on the environment
   raise errors.UserError("--compare=torch needs PyTorch: pip install -r "
                          "benchmarks/requirements-torch.txt") from e
@@ -148,8 +148,9 @@ def prepare(s: common.Setup, batch: dict[str, np.ndarray],
   """Builds and runs once (compiling, under torch.compile) the eager and the compiled train
   step: (facts, {"torch_eager": call, "torch_compile": call})."""
   import jax
-  from transformer_jax.params import count_params
+
   from transformer_jax.modules.models import Transformer
+  from transformer_jax.params import count_params
   device = "cuda" if jax.devices()[0].platform == "gpu" and torch.cuda.is_available() else "cpu"
   jax_params = count_params(jax.eval_shape(
       lambda: Transformer(s.model).init(jax.random.PRNGKey(0), batch["src"][:1],

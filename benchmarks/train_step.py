@@ -19,18 +19,18 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import jax
 import flax.linen as nn
+import jax
 from absl import flags, logging
 
 from benchmarks import common
 from transformer_jax import errors
 from transformer_jax.flops import matmul_flops, model_flops
 from transformer_jax.params import count_params
+from transformer_jax.tasks import Seq2SeqTask
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
 from transformer_jax.training.state import create_train_state
 from transformer_jax.training.steps import make_train_step
-from transformer_jax.tasks import Seq2SeqTask
 
 flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s for MFU (default: the known dense "
                    "peak of the accelerator for the dtype, or a measured matmul rate).")

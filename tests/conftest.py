@@ -40,8 +40,8 @@ if jax.__version_info__[:2] == (0, 10) and "TRANSFORMER_JAX_TEST_KEEP_XLA_FLAGS"
 
 import functools
 
-import jax.numpy as jnp
 import flax.linen as nn
+import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -11,10 +11,10 @@ import sys
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(TESTS), TESTS]
 
-from absl import app  # noqa: E402
 import jax  # noqa: E402
-
+from absl import app  # noqa: E402
 from data_wrappers import BatchesWrapper, SourceWrapper  # noqa: E402
+
 import train  # noqa: E402  (defines train.py's flags)
 from transformer_jax.training import experiment  # noqa: E402
 

@@ -8,14 +8,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import (
+  VOCAB,
+  assert_close,
+  init,
+  pad_to,
+  random_tokens,
+  requires_gpu,
+  tiny_config,
+  transformer_apply,
+  transformer_variables,
+)
 
-from conftest import (VOCAB, assert_close, init, pad_to, random_tokens, requires_gpu,
-                      tiny_config, transformer_apply, transformer_variables)
 from transformer_jax import Transformer
-from transformer_jax.modules.attention import (MultiHeadAttention, attention_weights,
-                                               causal_mask, combine_masks,
-                                               dot_product_attention, padding_mask,
-                                               segment_mask)
+from transformer_jax.modules.attention import (
+  MultiHeadAttention,
+  attention_weights,
+  causal_mask,
+  combine_masks,
+  dot_product_attention,
+  padding_mask,
+  segment_mask,
+)
 
 B, T, S, N, H = 2, 5, 7, 2, 4
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from test_training import tiny_run_config
+
 from transformer_jax import attention_maps
 from transformer_jax.predict import Predictor
 from transformer_jax.training import loop

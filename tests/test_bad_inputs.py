@@ -21,10 +21,10 @@ from typing import Callable
 
 import pytest
 from absl import flags
-
 from cli_helpers import ROOT, finish, start
-from configs import conll2003, multi30k, sst2
 from test_training import tiny_run_config
+
+from configs import conll2003, multi30k, sst2
 from transformer_jax import errors, export, predict
 from transformer_jax.training import loop
 

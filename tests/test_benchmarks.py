@@ -12,8 +12,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-
 from conftest import tiny_config
+
 from transformer_jax import Transformer, errors
 from transformer_jax.config import BOS_ID, PAD_ID
 from transformer_jax.flops import model_flops

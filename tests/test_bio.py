@@ -7,8 +7,8 @@ import itertools
 import jax
 import numpy as np
 import pytest
-
 from conftest import tiny_config
+
 from transformer_jax.bio import allowed_transitions, viterbi
 from transformer_jax.metrics import entity_spans
 from transformer_jax.options import DecodeOptions

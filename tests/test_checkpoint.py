@@ -19,15 +19,22 @@ import optax
 import pytest
 
 from transformer_jax import checkpoint
-from transformer_jax.checkpoint import (DamagedCheckpointError, IncompatibleCheckpointError,
-                                        TrainCheckpoints)
+from transformer_jax.checkpoint import (
+  DamagedCheckpointError,
+  IncompatibleCheckpointError,
+  TrainCheckpoints,
+)
 from transformer_jax.data.synthetic import SyntheticData, make_vocab
 from transformer_jax.data.tokenizer import load_tokenizer_item, tokenizer_item
 from transformer_jax.data.vocab import SymbolVocab
 from transformer_jax.metrics import MetricWriter
 from transformer_jax.preemption import PreemptionWatcher
-from transformer_jax.training.state import (TrainState, checkpoint_arrays, create_train_state,
-                                            state_from_checkpoint)
+from transformer_jax.training.state import (
+  TrainState,
+  checkpoint_arrays,
+  create_train_state,
+  state_from_checkpoint,
+)
 
 OPTIMIZER = optax.adam(1e-2)
 # Orbax's reader leaves coroutines behind when a damaged file fails to read.

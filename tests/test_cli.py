@@ -13,8 +13,9 @@ sys.path.insert(0, ROOT)
 
 import ml_collections
 import pytest
+from cli_helpers import finish as _finish
+from cli_helpers import start as _start
 
-from cli_helpers import finish as _finish, start as _start
 from transformer_jax.data.synthetic import SyntheticData
 from transformer_jax.predict import Predictor
 

@@ -18,14 +18,15 @@ pytest.importorskip("safetensors")
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
+from marian_fixture import DATA, ROOT, write_marian_dir  # noqa: E402
+from marian_fixture import lines as _lines
 
 from transformer_jax import convert, decoding, trees  # noqa: E402
-from transformer_jax.convert import marian  # noqa: E402
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig  # noqa: E402
+from transformer_jax.convert import marian  # noqa: E402
 from transformer_jax.data.tokenizer import SentencePieceTokenizer  # noqa: E402
 from transformer_jax.modules.models import Transformer  # noqa: E402
 from transformer_jax.predict import Predictor  # noqa: E402
-from marian_fixture import DATA, ROOT, write_marian_dir, lines as _lines  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(DATA),
                                 reason="needs the Multi30k text in ../shared/data/multi30k")

@@ -5,7 +5,6 @@ All data files are small ones the tests write themselves."""
 from __future__ import annotations
 
 import dataclasses
-
 import gzip
 import json
 import os
@@ -16,10 +15,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grain
 import numpy as np
 import pytest
+from conftest import featurizing_task
 
 from configs.default import text_data
-from conftest import featurizing_task
-from transformer_jax.options import DataOptions
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer_jax.data import pipeline, readers
 from transformer_jax.data.corpus import local_corpus
@@ -27,6 +25,7 @@ from transformer_jax.data.readers import DataFormatError
 from transformer_jax.data.text_data import TextData
 from transformer_jax.data.tokenizer import SentencePieceTokenizer, WordVocab, load_tokenizer
 from transformer_jax.data.vocab import SymbolVocab
+from transformer_jax.options import DataOptions
 from transformer_jax.tasks import Seq2SeqTask
 
 DIGITS = SymbolVocab([str(d) for d in range(10)])

@@ -20,13 +20,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
-
 from cli_helpers import finish, start
 from conftest import featurizing_task
 from test_data import DIGITS, digit_records, write
 from test_distributed import _env, _finish, _free_port, _metrics
-from test_tfds import _aligned_conll, _data
 from test_tasks import _DigitWords, _encoder_records
+from test_tfds import _aligned_conll, _data
+
 from transformer_jax import tasks
 from transformer_jax.checkpoint import Restored
 from transformer_jax.data import pipeline

@@ -7,8 +7,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-
 from conftest import tiny_config
+
 from transformer_jax import TransformerConfig
 from transformer_jax.flops import matmul_flops, model_flops, weights_per_token
 from transformer_jax.tasks import Seq2SeqTask

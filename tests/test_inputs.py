@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import VOCAB, random_tokens, tiny_config, transformer_apply, transformer_variables
+
 from transformer_jax import InputError, TransformerConfig, check_inputs, check_token_ids
 
 MAX_LEN = 16

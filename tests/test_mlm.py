@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_tasks import _lines, _shrink, entity_corpus
 
 from configs import conll2003, sst2
-from test_tasks import _lines, _shrink, entity_corpus
 from transformer_jax import checkpoint
 from transformer_jax.data.vocab import SPECIALS
 from transformer_jax.errors import UserError
@@ -122,6 +122,7 @@ def test_truncation_keeps_head_tail_or_both():
 
 def test_scoring_only_the_masked_positions_equals_the_full_output_there():
   from conftest import random_tokens, tiny_config
+
   from transformer_jax.modules.models import MaskedLanguageModel
   model = MaskedLanguageModel(tiny_config(num_decoder_layers=0))
   tokens = jnp.asarray(random_tokens(0, 2, 12))
@@ -135,6 +136,7 @@ def test_scoring_only_the_masked_positions_equals_the_full_output_there():
 
 def test_mlm_reads_the_text_of_a_classification_set_plus_extra_lines(tmp_path):
   from test_data import write
+
   from transformer_jax.options import DataOptions
   from transformer_jax.tasks.mlm import MaskedLMTask
   write(tmp_path / "train.tsv", ["sentence\tlabel", "good<br /><br />film\t1", "bad\t0"], gz=True)
@@ -153,6 +155,7 @@ def test_mlm_reads_the_text_of_a_classification_set_plus_extra_lines(tmp_path):
 
 def test_eval_batches_bounded_by_tokens_keep_every_example():
   from conftest import featurizing_task
+
   from transformer_jax.data import pipeline
   from transformer_jax.data.tokenizer import WordVocab
   vocab = WordVocab.build([["w"]])

@@ -11,12 +11,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import (
+  VOCAB,
+  assert_close,
+  pad_to,
+  random_tokens,
+  tiny_config,
+  transformer_apply,
+  transformer_variables,
+)
 
-from conftest import (VOCAB, assert_close, pad_to, random_tokens, tiny_config,
-                      transformer_apply, transformer_variables)
+from transformer_jax import (
+  EncoderClassifier,
+  TokenClassifier,
+  Transformer,
+  TransformerConfig,
+  count_params,
+)
 from transformer_jax.config import BOS_ID
-from transformer_jax import (EncoderClassifier, TokenClassifier, Transformer,
-                             TransformerConfig, count_params)
 from transformer_jax.modules.embedding import InputEmbedding, sinusoidal_table, token_embedding
 
 # Two model variants used throughout: the paper's layout, and the modern options with two

@@ -9,9 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import (
+  VOCAB,
+  assert_close,
+  random_tokens,
+  tiny_config,
+  transformer_apply,
+  transformer_variables,
+)
 
-from conftest import (VOCAB, assert_close, random_tokens, tiny_config, transformer_apply,
-                      transformer_variables)
 from transformer_jax import Transformer
 
 # (id, config overrides, train). Every non-default value of every choice field appears.

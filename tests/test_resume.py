@@ -19,8 +19,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from cli_helpers import TIMEOUT, start
+from cli_helpers import finish as _finish
 
-from cli_helpers import TIMEOUT, finish as _finish, start
 from transformer_jax import checkpoint
 from transformer_jax.predict import Predictor
 

@@ -21,7 +21,6 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest
-
 from cli_helpers import ROOT
 from test_serving import LINES, train_workdir
 

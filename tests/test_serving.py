@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 import pytest
-
 from cli_helpers import ROOT
+
 from transformer_jax.inputs import InputError
 
 KINDS = ("seq2seq", "classification", "tagging")
@@ -34,9 +34,16 @@ LINES = {
 def train_workdir(kind: str, folder: str) -> str:
   """A tiny trained run of `kind` in folder/run (seconds of training on local files)."""
   import pathlib
+
+  from test_tasks import (
+    _number_corpus,
+    _shrink,
+    _tiny_seq2seq_config,
+    entity_corpus,
+    sentiment_corpus,
+  )
+
   from configs import conll2003, sst2
-  from test_tasks import (_number_corpus, _shrink, _tiny_seq2seq_config, entity_corpus,
-                          sentiment_corpus)
   from transformer_jax.training import loop
   folder = pathlib.Path(folder)
   workdir = str(folder / "run")
@@ -140,6 +147,7 @@ def test_inputs_are_checked_before_the_model(artifacts):
 
 def test_damaged_artifact_is_refused(artifacts, tmp_path):
   import shutil
+
   from transformer_jax.serving import ArtifactError, Served
   copy = str(tmp_path / "copy")
   shutil.copytree(artifacts["classification"], copy)

@@ -11,14 +11,18 @@ import jax
 import numpy as np
 import optax
 import pytest
-
 from conftest import assert_close, random_tokens, tiny_config
+
 from transformer_jax import BOS_ID, EOS_ID, sharding
 from transformer_jax.checkpoint import TrainCheckpoints
-from transformer_jax.training.state import (checkpoint_arrays, create_train_state,
-                                            new_train_state, state_from_checkpoint)
-from transformer_jax.training.steps import make_eval_step, make_train_step
 from transformer_jax.tasks import Seq2SeqTask
+from transformer_jax.training.state import (
+  checkpoint_arrays,
+  create_train_state,
+  new_train_state,
+  state_from_checkpoint,
+)
+from transformer_jax.training.steps import make_eval_step, make_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = {                      # the layouts on 8 devices

@@ -19,14 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from conftest import assert_close, random_tokens, tiny_config, transformer_variables
+
 from transformer_jax import Transformer
 from transformer_jax.modules.models import REMAT_POLICIES
 from transformer_jax.params import fuse_qkv, split_qkv, stack_layers, unstack_layers
+from transformer_jax.tasks import Seq2SeqTask
 from transformer_jax.training.state import create_train_state
 from transformer_jax.training.steps import make_train_step
-from transformer_jax.tasks import Seq2SeqTask
 
 LAYERS = dict(num_encoder_layers=2, num_decoder_layers=3)   # unequal: stacks kept apart
 

@@ -16,12 +16,12 @@ import jax
 import numpy as np
 import optax
 import pytest
-
 from conftest import featurizing_task, tiny_config
+from test_data import DIGITS, digit_records, seq2seq_iterator
+
 from transformer_jax import tasks
 from transformer_jax.data import pipeline
 from transformer_jax.metrics import entity_f1, entity_spans
-from test_data import DIGITS, digit_records, seq2seq_iterator
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -160,10 +160,11 @@ def test_entity_f1_hand_computed():
 
 
 # ------------------------------------------------------------------- train.py on files
-from configs import multi30k                                    # noqa: E402
-from transformer_jax.predict import Predictor                   # noqa: E402
-from transformer_jax.training import loop                       # noqa: E402
-from test_data import write                                     # noqa: E402
+from test_data import write  # noqa: E402
+
+from configs import multi30k  # noqa: E402
+from transformer_jax.predict import Predictor  # noqa: E402
+from transformer_jax.training import loop  # noqa: E402
 
 NUMBERS = {"null": "zero", "eins": "one", "zwei": "two", "drei": "three", "vier": "four",
            "fünf": "five", "sechs": "six", "sieben": "seven", "acht": "eight", "neun": "nine"}
@@ -231,7 +232,7 @@ def test_seq2seq_on_parallel_files_trains_packed_resumes_and_predicts(tmp_path):
   assert predictor.predict_lines(["eins zwei"], beam2) == outputs[:1]  # Batch-invariant.
 
 
-from configs import conll2003, sst2                             # noqa: E402
+from configs import conll2003, sst2  # noqa: E402
 
 
 def _shrink(config, steps: int, **data):

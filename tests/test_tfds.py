@@ -15,10 +15,10 @@ import tensorflow_datasets as tfds
 
 from configs import conll2003, imdb, wmt14_ende_base
 from configs.default import text_data
-from transformer_jax.options import DataOptions
+from transformer_jax import tasks
 from transformer_jax.data.readers import DataFormatError
 from transformer_jax.data.tfds_source import DatasetNotPreparedError, tfds_corpus
-from transformer_jax import tasks
+from transformer_jax.options import DataOptions
 from transformer_jax.training import loop
 
 

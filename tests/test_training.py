@@ -25,22 +25,20 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+from data_wrappers import BatchesWrapper, SourceWrapper
 
 from configs.default import get_config
-from data_wrappers import BatchesWrapper, SourceWrapper
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig
 from transformer_jax.data.synthetic import SyntheticData
 from transformer_jax.metrics import corpus_bleu, exact_match
-from transformer_jax.predict import Predictor
-from transformer_jax.training import experiment, loop
-from transformer_jax.tasks.losses import (cross_entropy_sums, smoothed_targets,
-                                             smoothing_entropy)
 from transformer_jax.options import OptimizerOptions, RunOptions
-from transformer_jax.training.optimizers import (make_optimizer, make_schedule,
-                                                 paper_schedule)
+from transformer_jax.predict import Predictor
+from transformer_jax.tasks import Seq2SeqTask
+from transformer_jax.tasks.losses import cross_entropy_sums, smoothed_targets, smoothing_entropy
+from transformer_jax.training import experiment, loop
+from transformer_jax.training.optimizers import make_optimizer, make_schedule, paper_schedule
 from transformer_jax.training.state import create_train_state
 from transformer_jax.training.steps import make_train_step
-from transformer_jax.tasks import Seq2SeqTask
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

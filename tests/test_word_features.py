@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import tiny_config
+
 from transformer_jax.bio import allowed_transitions, viterbi
 from transformer_jax.config import UNK_ID
-from transformer_jax.modules import crf
 from transformer_jax.inputs import character_ids
+from transformer_jax.modules import crf
 from transformer_jax.modules.models import TokenClassifier
 from transformer_jax.tasks import TaggingTask
 

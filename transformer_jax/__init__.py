@@ -12,8 +12,7 @@ from transformer_jax.platforms import skip_missing_tpu
 
 skip_missing_tpu()   # before anything starts a JAX backend
 
-from transformer_jax.config import (BOS_ID, EOS_ID, PAD_ID, UNK_ID,  # noqa: E402
-                                    TransformerConfig)
+from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TransformerConfig  # noqa: E402
 from transformer_jax.inputs import InputError, check_inputs, check_token_ids  # noqa: E402
 
 _LAZY = {

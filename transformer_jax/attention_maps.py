@@ -16,9 +16,9 @@ import math
 import os
 from typing import Any, Sequence
 
-from absl import flags, logging
 import jax
 import numpy as np
+from absl import flags, logging
 
 from transformer_jax import errors
 from transformer_jax.errors import UserError

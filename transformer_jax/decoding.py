@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig
+
 # Shared with the flax-free serving loader; re-exported here, where decoding callers look.
 from transformer_jax.data.vocab import strip_special  # noqa: F401
 from transformer_jax.modules.models import Transformer

@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import flax.linen as nn
 
 _LAYER = re.compile(r"layer_(\d+)$")
 _QKV = ("query", "key", "value")

@@ -19,16 +19,16 @@ import os
 import sys
 from typing import Any, Iterable, TextIO
 
-from absl import flags, logging
 import flax.linen as nn
 import jax
+from absl import flags, logging
 
 from transformer_jax import checkpoint, errors, tasks
 from transformer_jax.data import pipeline
-from transformer_jax.inputs import InputError
-from transformer_jax.options import DecodeOptions, TrainOptions, upgrade
 from transformer_jax.errors import MissingFileError, UserError
 from transformer_jax.files import atomic_output
+from transformer_jax.inputs import InputError
+from transformer_jax.options import DecodeOptions, TrainOptions, upgrade
 
 
 class Predictor:

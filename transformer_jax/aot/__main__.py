@@ -104,11 +104,11 @@ def _compile_programs(config: Any, topology: targets.Topology, mesh: Any,
 
 
 def main(argv: list[str]) -> int:
-  from absl import logging
-  from ml_collections import config_flags
   # Compile-only: the local backend is the CPU one, whatever accelerator plugins are
   # installed (set before anything starts a backend).
   import jax
+  from absl import logging
+  from ml_collections import config_flags
   jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:

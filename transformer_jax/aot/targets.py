@@ -10,7 +10,7 @@ import os
 import pathlib
 import re
 
-from transformer_jax.accelerators import GiB, TARGET_CHIPS, Chip, chip_of
+from transformer_jax.accelerators import TARGET_CHIPS, Chip, GiB, chip_of
 from transformer_jax.errors import UserError
 from transformer_jax.platforms import quiet_stderr
 

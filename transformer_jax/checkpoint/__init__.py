@@ -21,16 +21,35 @@ training checkpoints (plain pytrees: it knows nothing of the TrainState); `snaps
 snapshots and averages, and finds and loads the model of a workdir for inference.
 """
 
-from transformer_jax.checkpoint.snapshots import (CHECKPOINT_DIR, SNAPSHOT_DIR, ModelRecord,
-                                                  best_step, checkpoint_steps, first_good,
-                                                  load_newest, models, read_record,
-                                                  restore_params, select_steps,
-                                                  write_average, write_snapshot)
-from transformer_jax.checkpoint.manager import (DAMAGED_DIR, CheckpointWriteError, Restored,
-                                                TrainCheckpoints, check_writable)
-from transformer_jax.checkpoint.manifest import (DamagedCheckpointError,
-                                                 IncompatibleCheckpointError,
-                                                 config_differences, describe, signature)
+from transformer_jax.checkpoint.manager import (
+                                                  DAMAGED_DIR,
+                                                  CheckpointWriteError,
+                                                  Restored,
+                                                  TrainCheckpoints,
+                                                  check_writable,
+)
+from transformer_jax.checkpoint.manifest import (
+                                                  DamagedCheckpointError,
+                                                  IncompatibleCheckpointError,
+                                                  config_differences,
+                                                  describe,
+                                                  signature,
+)
+from transformer_jax.checkpoint.snapshots import (
+                                                  CHECKPOINT_DIR,
+                                                  SNAPSHOT_DIR,
+                                                  ModelRecord,
+                                                  best_step,
+                                                  checkpoint_steps,
+                                                  first_good,
+                                                  load_newest,
+                                                  models,
+                                                  read_record,
+                                                  restore_params,
+                                                  select_steps,
+                                                  write_average,
+                                                  write_snapshot,
+)
 
 __all__ = [
     "CHECKPOINT_DIR", "CheckpointWriteError", "DAMAGED_DIR", "SNAPSHOT_DIR",

@@ -27,15 +27,21 @@ import threading
 import uuid
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
-from absl import logging
-from etils import epath
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
+from etils import epath
 
 from transformer_jax import sharding
+from transformer_jax.checkpoint.manifest import (
+  absolute,
+  check_compatible,
+  describe,
+  read,
+  signature,
+  verify,
+)
 from transformer_jax.checkpoint.snapshots import first_good
-from transformer_jax.checkpoint.manifest import (absolute, check_compatible, describe, read,
-                                                 signature, verify)
 from transformer_jax.errors import UserError, tracebacks_wanted
 
 # The array items of a training checkpoint; its JSON items are data, config, tokenizer and

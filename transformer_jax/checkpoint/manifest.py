@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from etils import epath
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 
 from transformer_jax.errors import UserError
 from transformer_jax.trees import flatten, named_leaves

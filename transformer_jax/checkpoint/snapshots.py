@@ -14,16 +14,24 @@ import dataclasses
 import os
 from typing import Any, Callable, Sequence, TypeVar
 
-from absl import logging
-from etils import epath
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
+from etils import epath
 
-from transformer_jax.checkpoint.manifest import (DamagedCheckpointError,
-                                                 IncompatibleCheckpointError, absolute,
-                                                 describe, describe_leaf, differing, read,
-                                                 signature, verify, without_fingerprints)
+from transformer_jax.checkpoint.manifest import (
+  DamagedCheckpointError,
+  IncompatibleCheckpointError,
+  absolute,
+  describe,
+  describe_leaf,
+  differing,
+  read,
+  signature,
+  verify,
+  without_fingerprints,
+)
 from transformer_jax.data.tokenizer import TextAssets, load_tokenizer_item
 from transformer_jax.errors import MissingFileError
 from transformer_jax.options import TrainOptions, upgrade

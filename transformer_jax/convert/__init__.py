@@ -25,13 +25,11 @@ the special ids (see `marian`).
   __main__           the command line
 """
 
-from transformer_jax.convert.files import (OurModel, load_ours, read_state_dict,
-                                           save_params_snapshot)
+from transformer_jax.convert.files import OurModel, load_ours, read_state_dict, save_params_snapshot
 from transformer_jax.convert.formats import FORMATS, run
 from transformer_jax.convert.marian_files import import_marian, write_hf_marian
 from transformer_jax.convert.tensors import ConvertError, abstract_params, permute_embed_axes
-from transformer_jax.convert.torch_transformer import (params_from_torch_state_dict,
-                                                       torch_state_dict)
+from transformer_jax.convert.torch_transformer import params_from_torch_state_dict, torch_state_dict
 
 __all__ = ["ConvertError", "FORMATS", "OurModel", "abstract_params", "import_marian",
            "load_ours", "params_from_torch_state_dict", "permute_embed_axes",

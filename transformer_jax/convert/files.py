@@ -15,7 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from transformer_jax import checkpoint, params as param_utils
+from transformer_jax import checkpoint
+from transformer_jax import params as param_utils
 from transformer_jax.config import TransformerConfig
 from transformer_jax.convert.tensors import ConvertError
 from transformer_jax.data.tokenizer import tokenizer_item

@@ -11,11 +11,17 @@ import dataclasses
 import os
 from typing import Any, Callable
 
-from transformer_jax import checkpoint, params as param_utils
+from transformer_jax import checkpoint
+from transformer_jax import params as param_utils
 from transformer_jax.config import TransformerConfig
 from transformer_jax.convert import torch_transformer
-from transformer_jax.convert.files import (OurModel, load_ours, read_state_dict,
-                                           save_params_snapshot, write_state_dict)
+from transformer_jax.convert.files import (
+  OurModel,
+  load_ours,
+  read_state_dict,
+  save_params_snapshot,
+  write_state_dict,
+)
 from transformer_jax.convert.marian_files import import_marian, write_hf_marian
 from transformer_jax.convert.tensors import ConvertError
 

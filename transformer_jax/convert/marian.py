@@ -24,8 +24,13 @@ import numpy as np
 
 from transformer_jax import trees
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TransformerConfig
-from transformer_jax.convert.tensors import (ConvertError, check_shape, expected_shapes,
-                                             layer_tensors, permute_embed_axes)
+from transformer_jax.convert.tensors import (
+  ConvertError,
+  check_shape,
+  expected_shapes,
+  layer_tensors,
+  permute_embed_axes,
+)
 from transformer_jax.data.tokenizer import MarianSentencePiece, SentencePieceTokenizer
 from transformer_jax.modules.embedding import interleaved_to_halves, sinusoidal_table
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from transformer_jax.config import BOS_ID, TransformerConfig
 from transformer_jax.convert import marian
-from transformer_jax.convert.files import (OurModel, read_json, read_state_dict, write_json)
+from transformer_jax.convert.files import OurModel, read_json, read_state_dict, write_json
 from transformer_jax.convert.tensors import ConvertError
 from transformer_jax.data.tokenizer import MarianSentencePiece
 from transformer_jax.options import DecodeOptions, upgrade

@@ -14,9 +14,17 @@ import numpy as np
 
 from transformer_jax import trees
 from transformer_jax.config import TransformerConfig
-from transformer_jax.convert.tensors import (QKV, ConvertError, check_shape, kernel_to_linear,
-                                             layer_tensors, layers, linear_to_kernel,
-                                             sublayer_type, zero_params)
+from transformer_jax.convert.tensors import (
+  QKV,
+  ConvertError,
+  check_shape,
+  kernel_to_linear,
+  layer_tensors,
+  layers,
+  linear_to_kernel,
+  sublayer_type,
+  zero_params,
+)
 
 
 def torch_state_dict(params: dict, cfg: TransformerConfig) -> dict[str, np.ndarray]:

@@ -27,11 +27,11 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import grain
 import numpy as np
 
+from transformer_jax.errors import UserError
+
 # In inputs.py, shared with the flax-free serving loader, which buckets lines the same way.
 from transformer_jax.inputs import bucket_for, bucket_lengths
-from transformer_jax.errors import UserError
 from transformer_jax.options import TOO_LONG_POLICIES, TRUNCATIONS, check_choice
-
 
 Example = dict[str, np.ndarray]
 

@@ -22,11 +22,16 @@ import numpy as np
 
 from transformer_jax.data import pipeline
 from transformer_jax.data.corpus import Corpus
-from transformer_jax.data.tokenizer import (TARGET_VOCAB_FILE, VOCAB_FILE, SentencePieceTokenizer,
-                                            WordVocab, load_tokenizer)
+from transformer_jax.data.tokenizer import (
+  TARGET_VOCAB_FILE,
+  VOCAB_FILE,
+  SentencePieceTokenizer,
+  WordVocab,
+  load_tokenizer,
+)
 from transformer_jax.errors import UserError
-from transformer_jax.options import DataOptions
 from transformer_jax.files import atomic_write_json
+from transformer_jax.options import DataOptions
 
 LABELS_FILE = "labels.json"
 IDENTITY_FILE = "tokenizer_identity.json"   # what the workdir's tokenizer was trained from

@@ -36,6 +36,7 @@ class DatasetNotPreparedError(UserError, RuntimeError):
 
 def _tfds():
   import tensorflow_datasets as tfds
+
   # Builders outside tfds' lazily registered `datasets/` package (glue, conll2003, wmt*)
   # register when their package is imported.
   import tensorflow_datasets.text  # noqa: F401

@@ -14,10 +14,13 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.config import BOS_ID, PAD_ID, TransformerConfig
-from transformer_jax.modules.attention import (causal_mask, combine_masks, padding_mask,
-                                               segment_mask)
-from transformer_jax.modules.embedding import (CharacterFeatures, InputEmbedding,
-                                               tied_projection, token_embedding)
+from transformer_jax.modules.attention import causal_mask, combine_masks, padding_mask, segment_mask
+from transformer_jax.modules.embedding import (
+  CharacterFeatures,
+  InputEmbedding,
+  tied_projection,
+  token_embedding,
+)
 from transformer_jax.modules.layers import DecoderLayer, EncoderLayer, layer_norm
 from transformer_jax.sharding import partitioned
 

@@ -92,7 +92,7 @@ class Served:
   @classmethod
   def load(cls, directory: str, max_rows: int = DEFAULT_MAX_ROWS) -> "Served":
     """Reads and checks an artifact of any known format (serving.LOADERS)."""
-    from transformer_jax.serving import load   # the loaders import this module
+    from transformer_jax.serving import load  # the loaders import this module
     return load(directory, max_rows)
 
   @property

@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from transformer_jax.config import TransformerConfig
+from transformer_jax.errors import UserError
+from transformer_jax.options import TrainOptions
 from transformer_jax.tasks.base import EvalBatch, Task
 from transformer_jax.tasks.classification import ClassificationTask
 from transformer_jax.tasks.mlm import MaskedLMTask
-from transformer_jax.tasks.tagging import TaggingTask
 from transformer_jax.tasks.seq2seq import Seq2SeqTask
-from transformer_jax.errors import UserError
-from transformer_jax.options import TrainOptions
+from transformer_jax.tasks.tagging import TaggingTask
 
 TASKS: dict[str, type[Task]] = {
     t.name: t for t in (Seq2SeqTask, ClassificationTask, TaggingTask, MaskedLMTask)}

@@ -31,9 +31,9 @@ import numpy as np
 
 from transformer_jax.config import PAD_ID, TransformerConfig
 from transformer_jax.data.pipeline import EvalBatch
+from transformer_jax.errors import UserError
 from transformer_jax.inputs import check_token_ids
 from transformer_jax.options import DataOptions, DecodeOptions
-from transformer_jax.errors import UserError
 
 Batch = dict[str, jax.Array]
 Example = dict[str, np.ndarray]

@@ -16,13 +16,21 @@ import numpy as np
 
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data import readers
+from transformer_jax.errors import UserError
 from transformer_jax.modules.models import POOLINGS, EncoderClassifier
 from transformer_jax.options import DataOptions, DecodeOptions
-from transformer_jax.tasks.base import (Batch, EvalBatch, EvalStep, Example, Samples, ids,
-                                        loss_metrics, teacher_forced_sums)
+from transformer_jax.tasks.base import (
+  Batch,
+  EvalBatch,
+  EvalStep,
+  Example,
+  Samples,
+  ids,
+  loss_metrics,
+  teacher_forced_sums,
+)
 from transformer_jax.tasks.encoder import EncoderTask
 from transformer_jax.tasks.losses import cross_entropy_sums
-from transformer_jax.errors import UserError
 
 # TFDS feature names (text, label) by dataset family; others use ("text", "label").
 _TFDS_FEATURES = {"glue": ("sentence", "label")}

@@ -31,8 +31,16 @@ from transformer_jax.data.vocab import SPECIALS, strip_special
 from transformer_jax.errors import UserError
 from transformer_jax.modules.models import MaskedLanguageModel
 from transformer_jax.options import DataOptions, DecodeOptions
-from transformer_jax.tasks.base import (Batch, EvalBatch, EvalStep, Example, Samples, ids,
-                                        loss_metrics, teacher_forced_sums)
+from transformer_jax.tasks.base import (
+  Batch,
+  EvalBatch,
+  EvalStep,
+  Example,
+  Samples,
+  ids,
+  loss_metrics,
+  teacher_forced_sums,
+)
 from transformer_jax.tasks.encoder import EncoderTask
 from transformer_jax.tasks.losses import cross_entropy_sums
 
@@ -63,7 +71,7 @@ def _record_text(record: dict, text_task: Any) -> str:
 
 def _text_task(data: DataOptions) -> Any:
   """The encoder task class whose data holds the text (data.text_of)."""
-  from transformer_jax.tasks import TASKS   # the registry imports this module
+  from transformer_jax.tasks import TASKS  # the registry imports this module
   encoder_tasks = [name for name, cls in TASKS.items()
                    if issubclass(cls, EncoderTask) and cls is not MaskedLMTask]
   if data.text_of not in encoder_tasks:

@@ -20,8 +20,18 @@ from transformer_jax.data import readers
 from transformer_jax.metrics import corpus_bleu, exact_match
 from transformer_jax.modules.models import Transformer
 from transformer_jax.options import DataOptions, DecodeOptions
-from transformer_jax.tasks.base import (Batch, EvalBatch, EvalStep, Example, Samples, Task,
-                                        ids, loss_metrics, padded_getter, teacher_forced_sums)
+from transformer_jax.tasks.base import (
+  Batch,
+  EvalBatch,
+  EvalStep,
+  Example,
+  Samples,
+  Task,
+  ids,
+  loss_metrics,
+  padded_getter,
+  teacher_forced_sums,
+)
 from transformer_jax.tasks.losses import cross_entropy_sums
 
 

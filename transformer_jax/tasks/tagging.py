@@ -21,13 +21,21 @@ import numpy as np
 from transformer_jax import bio
 from transformer_jax.config import PAD_ID, TransformerConfig
 from transformer_jax.data import readers
-from transformer_jax.metrics import entity_f1
 from transformer_jax.errors import UserError
+from transformer_jax.metrics import entity_f1
 from transformer_jax.modules import crf
 from transformer_jax.modules.models import TokenClassifier, crf_scores
 from transformer_jax.options import DataOptions, DecodeOptions
-from transformer_jax.tasks.base import (Batch, EvalBatch, EvalStep, Example, Samples, ids,
-                                        loss_metrics, teacher_forced_sums)
+from transformer_jax.tasks.base import (
+  Batch,
+  EvalBatch,
+  EvalStep,
+  Example,
+  Samples,
+  ids,
+  loss_metrics,
+  teacher_forced_sums,
+)
 from transformer_jax.tasks.encoder import EncoderTask
 from transformer_jax.tasks.losses import cross_entropy_sums
 

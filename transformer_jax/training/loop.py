@@ -18,6 +18,8 @@ from transformer_jax import checkpoint, sharding
 from transformer_jax.checkpoint import CHECKPOINT_DIR, TrainCheckpoints
 from transformer_jax.data.pipeline import per_host_position
 from transformer_jax.data.tokenizer import tokenizer_item
+from transformer_jax.errors import UserError
+from transformer_jax.files import atomic_write_json
 from transformer_jax.metrics import MetricWriter
 from transformer_jax.options import RunOptions
 from transformer_jax.params import count_params
@@ -25,8 +27,6 @@ from transformer_jax.preemption import PreemptionWatcher
 from transformer_jax.training.experiment import Experiment
 from transformer_jax.training.state import checkpoint_arrays, state_from_checkpoint
 from transformer_jax.training.workdir_lock import WorkdirLock
-from transformer_jax.errors import UserError
-from transformer_jax.files import atomic_write_json
 
 CONFIG_FILE = "config.json"
 Samples = list[tuple[str, str, str]]
