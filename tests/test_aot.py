@@ -127,11 +127,11 @@ def test_user_errors_exit_2_without_traceback():
 
 
 def test_find_max_batch_fits_and_twice_does_not():
-  # Judged against 32 MiB per chip instead of 16 GiB: the same search, at batches that
-  # compile in seconds; stopped when the bracket is within the batch found (fits, and
-  # twice it does not: what the test asserts, in few compiles).
-  topo = targets.with_hbm(targets.tpu_topology("v5e:2x2"), 32 / 1024)
-  config = tiny_config()
+  # Judged against 16 MiB per chip instead of 16 GiB, from a batch of 16: the same search,
+  # at batches that compile in seconds; stopped when the bracket is within the batch found
+  # (fits, and twice it does not: what the test asserts, in few compiles).
+  topo = targets.with_hbm(targets.tpu_topology("v5e:2x2"), 16 / 1024)
+  config = tiny_config(16)
   mesh = sharding.make_mesh(dict(data=4), topo.devices)
   batch, results = plan.find_max_batch(config, topo, mesh, tolerance=1.0)
   assert batch > 0 and batch % 4 == 0 and results[batch].fits
