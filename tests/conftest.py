@@ -129,3 +129,33 @@ def on_gpu() -> bool:
 requires_gpu = pytest.mark.skipif(
     not on_gpu(), reason="attention_impl='cudnn' needs an NVIDIA GPU (cuDNN); "
     f"the JAX backend here is {jax.default_backend()!r}")
+
+
+class TrainedRuns:
+  """Tiny trained runs of each task kind and their StableHLO exports, each made once per
+  session on first use: training and exporting them is the cost of the serving tests
+  (tests/test_serving.py, tests/test_serve.py), which only read them."""
+
+  def __init__(self, tmp_path_factory):
+    self._tmp = tmp_path_factory
+    self._workdirs: dict[str, str] = {}
+    self._artifacts: dict[str, str] = {}
+
+  def workdir(self, kind: str) -> str:
+    if kind not in self._workdirs:
+      from test_serving import train_workdir
+      self._workdirs[kind] = train_workdir(kind, str(self._tmp.mktemp(kind)))
+    return self._workdirs[kind]
+
+  def artifact(self, kind: str) -> str:
+    """The workdir exported with the export command's defaults."""
+    if kind not in self._artifacts:
+      from transformer_jax.export import export_stablehlo
+      out = str(self._tmp.mktemp("artifact") / kind)
+      self._artifacts[kind] = export_stablehlo(self.workdir(kind), None, out, None, None)
+    return self._artifacts[kind]
+
+
+@pytest.fixture(scope="session")
+def trained_runs(tmp_path_factory) -> TrainedRuns:
+  return TrainedRuns(tmp_path_factory)

@@ -22,15 +22,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest
 from cli_helpers import ROOT
-from test_serving import LINES, train_workdir
+from test_serving import LINES
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory) -> str:
-  from transformer_jax.export import export_stablehlo
-  folder = tmp_path_factory.mktemp("seq2seq")
-  return export_stablehlo(train_workdir("seq2seq", str(folder)), None,
-                          str(folder / "artifact"), None, None)
+def artifact(trained_runs) -> str:
+  """The tiny translation model's export, shared with tests/test_serving.py."""
+  return trained_runs.artifact("seq2seq")
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +180,9 @@ def test_listen_backlog_queues_a_burst_of_connections():
 def test_sigterm_finishes_requests_in_flight_and_exits_0(artifact, served):
   from benchmarks.serve_load import start_server
   process, url = start_server(artifact, max_batch=16, max_wait_ms=5)
-  status, health, _ = _request(url, "/healthz", method="GET")   # the defaults
-  assert health["name"] == "artifact" and health["version"] == served.fingerprint[:12]
+  status, health, _ = _request(url, "/healthz", method="GET")
+  assert health["name"] == os.path.basename(artifact)   # the defaults: the folder's name
+  assert health["version"] == served.fingerprint[:12]
   lines = [f"{LINES['seq2seq'][4]} {'eins ' * i}" for i in range(12)]  # 16 rows: compiles
   answers = []
   client = threading.Thread(target=lambda: answers.append(

@@ -59,17 +59,14 @@ def train_workdir(kind: str, folder: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def workdirs(tmp_path_factory) -> dict[str, str]:
-  return {kind: train_workdir(kind, str(tmp_path_factory.mktemp(kind))) for kind in KINDS}
+def workdirs(trained_runs) -> dict[str, str]:
+  return {kind: trained_runs.workdir(kind) for kind in KINDS}
 
 
 @pytest.fixture(scope="module")
-def artifacts(workdirs, tmp_path_factory) -> dict[str, str]:
+def artifacts(trained_runs) -> dict[str, str]:
   """Each workdir exported with the export command (default decode options)."""
-  from transformer_jax.export import export_stablehlo
-  out = tmp_path_factory.mktemp("artifacts")
-  return {kind: export_stablehlo(workdir, None, str(out / kind), None, None)
-          for kind, workdir in workdirs.items()}
+  return {kind: trained_runs.artifact(kind) for kind in KINDS}
 
 
 @functools.lru_cache(maxsize=None)
