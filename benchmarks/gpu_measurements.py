@@ -2,7 +2,8 @@
 commands, each as a subprocess with --json, with the device, date and versions.
 
   python -m benchmarks.gpu_measurements --output=gpu_measurements.json [--target=h100-sxm]
-      [--only=train_step,torch,decode,aot_plan] [--timeout_s=540]
+      [--only=train_step,torch,decode,aot_plan,multi30k,serve] [--models=base,big]
+      [--seeds=0,1,2] [--runs=gpu_runs] [--timeout_s=540]
   python -m benchmarks.gpu_measurements --tiny --output=/tmp/m.json   # CPU: tiny shapes
 
 - train_step: train-step MFU of WMT14 base and big, bf16, packed 256-token rows, with
@@ -12,8 +13,16 @@ commands, each as a subprocess with --json, with the device, date and versions.
   (benchmarks/train_step.py --compare=torch);
 - decode: beam-search and greedy decoding throughput (benchmarks/decode.py);
 - aot_plan: what `python -m transformer_jax.aot --target=<target>:1` plans for each measured
-  train step (memory per device, roofline), to set beside the measurement.
+  train step (memory per device, roofline), to set beside the measurement;
+- multi30k: `train.py --config=configs/multi30k.py` for each of --seeds, in RUNS/multi30k_s<seed>:
+  wall time, the final val BLEU and test BLEU (the config's recipe, as on the CPU). A run
+  stopped by --timeout_s is resumed exactly by the same command again;
+- serve: on RUNS/multi30k_s<first seed>, predict's sentences/s (benchmarks/ctranslate2_speed.py,
+  500 val lines) and the StableHLO server's requests/s, p50 and p99 with 8 clients
+  (benchmarks/serve_load.py).
 A command that fails is recorded with its status and the tail of its stderr; the rest go on.
+A lent GPU runs one command for at most 10 minutes: split the work with --only and --models
+(docs/gpu.md lists the calls).
 --tiny runs the same commands on the default config with tiny shapes (and skips cuDNN
 attention without a GPU), to check the script on a CPU.
 """
@@ -21,7 +30,9 @@ attention without a GPU), to check the script on a CPU.
 from __future__ import annotations
 
 import datetime
+import gzip
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,23 +40,40 @@ from typing import Any
 
 from absl import flags
 
+from benchmarks import seeds
 from transformer_jax import errors
 
 flags.DEFINE_string("output", None, "Where to write the JSON.", required=True)
 flags.DEFINE_string("target", "h100-sxm", "aot target kind of this GPU (h100-sxm, h200, "
                     "a100-80gb) for the largest batch and the plan check.")
-flags.DEFINE_list("only", ["train_step", "torch", "decode", "aot_plan"], "Measurements to take.")
+flags.DEFINE_list("only", ["train_step", "torch", "decode", "aot_plan"], "Measurements to take "
+                  "(also: multi30k, serve).")
+flags.DEFINE_list("models", ["base", "big"], "WMT14 models of train_step, torch, decode, aot_plan.")
+flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of the multi30k trainings.")
+flags.DEFINE_string("runs", "gpu_runs", "Folder of the multi30k workdirs and exports.")
+flags.DEFINE_string("multi30k_dir", "../shared/data/multi30k", "Multi30k's files (the config's "
+                    "data.dir).")
 flags.DEFINE_bool("tiny", False, "Tiny shapes on the default config (a check on a CPU).")
 flags.DEFINE_integer("timeout_s", 540, "Limit per command (a lent GPU allows 10 min a command).")
 FLAGS = flags.FLAGS
 
-MEASUREMENTS = ("train_step", "torch", "decode", "aot_plan")
+MEASUREMENTS = ("train_step", "torch", "decode", "aot_plan", "multi30k", "serve")
+# --tiny: the Multi30k recipe at a size that trains in seconds on a CPU.
+TINY_MULTI30K = ["--config.num_train_steps=4", "--config.eval_every_steps=4",
+                 "--config.checkpoint_every_steps=4", "--config.average_checkpoints=0",
+                 "--config.eval.examples=8", "--config.data.tokenizer_max_examples=2000",
+                 "--config.data.vocab_size=500", "--config.model.d_model=32",
+                 "--config.model.d_ff=64", "--config.model.num_encoder_layers=1",
+                 "--config.model.num_decoder_layers=1", "--config.batch_size=8"]
 PAPER_ROWS = {"base": 96, "big": 96}      # configs/wmt14_ende_*.py: ~25k + 25k tokens a step
 
 
 def _run(args: list[str]) -> dict[str, Any]:
-  """One project command with --json: its JSON (last stdout line), or why there is none."""
-  command = [sys.executable, "-m", *args, "--json"]
+  """One project module with --json: its JSON (last stdout line), or why there is none."""
+  return _run_command([sys.executable, "-m", *args, "--json"])
+
+
+def _run_command(command: list[str], parse_json: bool = True) -> dict[str, Any]:
   start = time.perf_counter()
   try:
     proc = subprocess.run(command, capture_output=True, text=True, timeout=FLAGS.timeout_s)
@@ -53,6 +81,10 @@ def _run(args: list[str]) -> dict[str, Any]:
     return {"command": " ".join(command[1:]), "error": f"timed out after {FLAGS.timeout_s} s"}
   entry: dict[str, Any] = {"command": " ".join(command[1:]), "status": proc.returncode,
                            "wall_s": round(time.perf_counter() - start, 1)}
+  if not parse_json:
+    if proc.returncode:
+      entry["error"] = "\n".join(proc.stderr.strip().splitlines()[-5:])
+    return entry
   lines = proc.stdout.strip().splitlines()
   try:
     entry["result"] = json.loads(lines[-1])
@@ -61,13 +93,52 @@ def _run(args: list[str]) -> dict[str, Any]:
   return entry
 
 
+def _multi30k(seed: str) -> dict[str, Any]:
+  """One seed of the Multi30k recipe: wall time of this call and the final BLEUs."""
+  workdir = os.path.join(FLAGS.runs, f"multi30k_s{seed}")
+  entry = _run_command([sys.executable, "train.py", "--config=configs/multi30k.py",
+                        f"--workdir={workdir}", f"--config.seed={seed}",
+                        f"--config.data.dir={FLAGS.multi30k_dir}",
+                        *(TINY_MULTI30K if FLAGS.tiny else [])], parse_json=False)
+  try:   # the final evaluation's line (after a call cut short: none yet)
+    entry["result"] = seeds.final_metrics(workdir, ["step", "eval/bleu", "test/bleu"])
+  except (errors.UserError, FileNotFoundError) as e:
+    entry.setdefault("error", f"no final BLEU yet ({e}); the same call resumes the run")
+  return {"measurement": "multi30k", "seed": seed, "workdir": workdir, **entry}
+
+
+def _serve(seed: str) -> list[dict[str, Any]]:
+  """predict's sentences/s and the server's latency on the Multi30k model of `seed`."""
+  workdir = os.path.join(FLAGS.runs, f"multi30k_s{seed}")
+  checkpoints = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(checkpoints):
+    return [{"measurement": "serve", "error": f"no {checkpoints}: run --only=multi30k first"}]
+  last = max(os.listdir(checkpoints), key=lambda name: int(name) if name.isdigit() else -1)
+  artifact = os.path.join(FLAGS.runs, f"multi30k_s{seed}_stablehlo")
+  inputs = os.path.join(FLAGS.runs, "val32.de")
+  with open(inputs, "w") as f:   # the first 32 val sentences, as on the CPU (RESULTS.md)
+    with gzip.open(os.path.join(FLAGS.multi30k_dir, "val.de.gz"), "rt") as source:
+      f.writelines(line for _, line in zip(range(32), source))
+  runs = [{"measurement": "predict", **_run(
+      ["benchmarks.ctranslate2_speed", f"--checkpoint={os.path.join(checkpoints, last)}",
+       f"--inputs={os.path.join(FLAGS.multi30k_dir, 'val.de.gz')}", "--lines=500", "--batch_size=32"])}]
+  if not os.path.isdir(artifact):
+    runs.append({"measurement": "export", **_run_command(
+        [sys.executable, "-m", "transformer_jax.export", f"--workdir={workdir}",
+         "--format=stablehlo", f"--output={artifact}"], parse_json=False)})
+  runs.append({"measurement": "serve", **_run(
+      ["benchmarks.serve_load", f"--model={artifact}", f"--inputs={inputs}",
+       f"--requests={20 if FLAGS.tiny else 200}", "--clients=8"])})
+  return runs
+
+
 def _models() -> list[tuple[str, list[str]]]:
   """(name, the config flags and shapes of its train step)."""
   if FLAGS.tiny:
     return [("tiny", ["--config=configs/default.py", "--src_length=16", "--tgt_length=16",
                       "--steps=2", "--warmup=1"])]
   return [(m, [f"--config=configs/wmt14_ende_{m}.py", "--src_length=256", "--tgt_length=256",
-               "--packed"]) for m in ("base", "big")]
+               "--packed"]) for m in FLAGS.models]
 
 
 def _largest_batch(config_flag: str, devices: int) -> int | None:
@@ -89,6 +160,8 @@ def measure() -> dict[str, Any]:
   attentions = ["cudnn", "xla"] if gpu else ["xla"]
   runs: list[dict[str, Any]] = []
   for name, model in _models():
+    if not {"train_step", "torch", "decode", "aot_plan"} & set(FLAGS.only):
+      break
     batches = {"paper": 8 if FLAGS.tiny else PAPER_ROWS[name]}
     if "train_step" in FLAGS.only and not FLAGS.tiny:
       largest = _largest_batch(model[0], jax.device_count())
@@ -113,6 +186,10 @@ def measure() -> dict[str, Any]:
       runs.append({"measurement": "decode", "model": name,
                    **_run(["benchmarks.decode", model[0]]
                           + (["--max_length=8"] if FLAGS.tiny else []))})
+  if "multi30k" in FLAGS.only:
+    runs.extend(_multi30k(seed) for seed in FLAGS.seeds)
+  if "serve" in FLAGS.only:
+    runs.extend(_serve(FLAGS.seeds[0]))
   if not gpu:
     out["skipped"] = "attention_impl=cudnn: needs a GPU"
   out["runs"] = runs
@@ -123,13 +200,18 @@ def main(argv: list[str]) -> None:
   unknown = set(FLAGS.only) - set(MEASUREMENTS)
   if unknown:
     raise errors.UserError(f"--only: unknown {sorted(unknown)}; choose from {MEASUREMENTS}")
+  if set(FLAGS.models) - {"base", "big"}:
+    raise errors.UserError(f"--models={','.join(FLAGS.models)}: choose from base, big")
+  if not all(seed.isdigit() for seed in FLAGS.seeds):
+    raise errors.UserError(f"--seeds={','.join(FLAGS.seeds)}: non-negative integers, e.g. 0,1,2")
+  os.makedirs(FLAGS.runs, exist_ok=True)
   result = measure()
   with open(FLAGS.output, "w") as f:
     json.dump(result, f, indent=1, default=str)
-  failed = [r["command"] for r in result["runs"] if "result" not in r]
-  print(f"{len(result['runs'])} commands, {len(failed)} without a result; wrote {FLAGS.output}")
+  failed = [r.get("command", r["measurement"]) for r in result["runs"] if "error" in r]
+  print(f"{len(result['runs'])} commands, {len(failed)} failed; wrote {FLAGS.output}")
   for command in failed:
-    print(f"  no result: {command}")
+    print(f"  failed: {command}")
 
 
 if __name__ == "__main__":
