@@ -67,6 +67,9 @@ def test_compiles_under_data_fsdp_and_tensor_meshes(topology):
   # Sharding the state over fsdp or tensor leaves each chip less of it than replication.
   assert results["fsdp"].argument_bytes < results["data"].argument_bytes
   assert results["tensor"].argument_bytes < results["data"].argument_bytes
+  # Data parallelism sums the float32 gradients; fsdp gathers the parameters it splits.
+  assert results["data"].collectives.get("all-reduce f32", 0) > 0
+  assert results["fsdp"].collectives.get("all-gather f32", 0) > 0
 
 
 def test_every_program_compiles_and_reports():
@@ -136,6 +139,40 @@ def test_find_max_batch_fits_and_twice_does_not():
   for smaller, larger in zip(compiled, compiled[1:]):
     assert larger.total_bytes > smaller.total_bytes
     assert larger.argument_bytes > smaller.argument_bytes
+
+
+_HLO = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %sum = f32[8]{0} all-reduce(%x), channel_id=1, to_apply=%add
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %sum)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: bf16[4,2], b: (s32[], f32[8])) -> f32[8] {
+  %a = bf16[4,2]{1,0} parameter(0)
+  %start = (bf16[4,2]{1,0}, bf16[16,2]{1,0}, u32[], u32[]) all-gather-start(%a), dimensions={0}
+  %done = bf16[16,2]{1,0} all-gather-done(%start)
+  %b = (s32[], f32[8]{0}) parameter(1)
+  %w = (s32[], f32[8]{0}) while(%b), condition=%cond, body=%body
+  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_collectives_are_counted_per_call_by_kind_and_element_type():
+  from transformer_jax.aot import hlo_cost
+  # The gather's result half of its start (16 x 2 bf16), the loop's all-reduce three times.
+  assert hlo_cost.collective_bytes(_HLO) == {"all-gather bf16": 64, "all-reduce f32": 96}
 
 
 def test_layouts_are_every_factorisation():

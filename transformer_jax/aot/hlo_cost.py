@@ -1,17 +1,25 @@
-"""Where XLA's cost model expects a compiled program's time to go: its per-instruction
-estimates in the optimized HLO text, each loop body counted once per iteration."""
+"""Read from a compiled program's optimized HLO text, each loop body counted once per
+iteration: where XLA's cost model expects the time to go (its per-instruction estimates),
+and how many bytes each kind of collective moves, by element type."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+from typing import Iterator
 
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = .*? ([a-z][\w\-]*)\((.*)$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = (.*?) ([a-z][\w\-]*)\((.*)$")
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _WHILE = re.compile(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)")
 _LOOP_BOUND = re.compile(r"^\s+%?[\w.\-]+ = s32\[\]\S* constant\((\d+)\)")
+_ARRAY = re.compile(r"\b(pred|[su](?:4|8|16|32|64)|bf16|f8\w*|f16|f32|f64)\[([\d,]*)\]")
+_ELEMENT_BITS = {"pred": 8, "bf16": 16, "f16": 16, "f32": 32, "f64": 64}
+# Collectives by the name they are reported under; an asynchronous "-start" counts as the
+# operation (its "-done" moves nothing more).
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,38 +67,72 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
   return computations, entry
 
 
+def _instructions(hlo_text: str) -> Iterator[tuple[str, str, str, int]]:
+  """(result shape, opcode, the rest of the line, times it runs per call) of each
+  instruction the entry computation runs, through loop bodies (a body's instructions run
+  once per iteration; a loop without a readable trip count, once: see `unknown`)."""
+  computations, entry = _computations(hlo_text)
+
+  def walk(name: str, times: int) -> Iterator[tuple[str, str, str, int]]:
+    for line in computations.get(name, []):
+      instruction = _INSTRUCTION.match(line)
+      if not instruction:
+        continue
+      shape, opcode, rest = instruction.groups()
+      loop = _WHILE.search(rest) if opcode == "while" else None
+      if loop:
+        trips = _trip_count(computations.get(loop.group(1), []))
+        yield shape, "while", "unknown trip count" if trips is None else "", times
+        yield from walk(loop.group(2), times * (trips or 1))
+      else:
+        yield shape, opcode, rest, times
+
+  if entry is not None:
+    yield from walk(entry, 1)
+
+
 def op_breakdown(hlo_text: str) -> OpBreakdown:
   """XLA's TPU cost model per instruction, summed by source operation: every top-level
   instruction of the optimized module carries its estimate (`estimated_cycles` in its
   backend config), and a loop's body counts once per iteration. Instructions are grouped
   by their `op_name` metadata with layer indices merged (layer_3 -> layer_N), so
   "encoder/layer_N/feed_forward/wi/dot_general" is that matmul in every layer."""
-  computations, entry = _computations(hlo_text)
   groups: dict[str, int] = {}
   once, unknown = 0, 0
-
-  def add(name: str, times: int) -> None:
-    nonlocal once, unknown
-    for line in computations.get(name, []):
-      instruction = _INSTRUCTION.match(line)
-      if not instruction:
-        continue
-      opcode, rest = instruction.groups()
-      loop = _WHILE.search(rest) if opcode == "while" else None
-      if loop:
-        trips = _trip_count(computations.get(loop.group(1), []))
-        unknown += trips is None
-        add(loop.group(2), times * (trips or 1))
-        continue
-      cycles = _CYCLES.search(rest)
-      if cycles:
-        op = _OP_NAME.search(rest)
-        key = re.sub(r"layer_\d+", "layer_N", op.group(1) if op else opcode)
-        key = re.sub(r"^jit\([^)]*\)/", "", key)
-        groups[key] = groups.get(key, 0) + int(cycles.group(1)) * times
-        once += int(cycles.group(1))
-
-  if entry is not None:
-    add(entry, 1)
+  for _, opcode, rest, times in _instructions(hlo_text):
+    if opcode == "while":
+      unknown += rest == "unknown trip count"
+      continue
+    cycles = _CYCLES.search(rest)
+    if cycles:
+      op = _OP_NAME.search(rest)
+      key = re.sub(r"layer_\d+", "layer_N", op.group(1) if op else opcode)
+      key = re.sub(r"^jit\([^)]*\)/", "", key)
+      groups[key] = groups.get(key, 0) + int(cycles.group(1)) * times
+      once += int(cycles.group(1))
   ranked = sorted(groups.items(), key=lambda kv: -kv[1])
   return OpBreakdown(sum(groups.values()), once, ranked, unknown)
+
+
+def _bytes(element: str, dims: str) -> int:
+  bits = _ELEMENT_BITS.get(element) or int(re.sub(r"\D", "", element)[:2] or 8)
+  return math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+  """Bytes of the results of each kind of collective per chip and call, keyed "kind
+  element-type" (e.g. "all-reduce bf16"): what each chip receives, before the ring or tree
+  that moves it. An asynchronous start's result holds its operand and its result (and
+  context scalars): only the result half is counted."""
+  found: dict[str, int] = {}
+  for shape, opcode, _, times in _instructions(hlo_text):
+    kind = opcode.removesuffix("-start")
+    if kind not in COLLECTIVES:
+      continue
+    arrays = [a for a in _ARRAY.findall(shape) if a[1] or a[0] not in ("u32", "s32")]
+    if opcode.endswith("-start") and kind != "all-reduce":
+      arrays = arrays[len(arrays) // 2:]
+    for element, dims in arrays:
+      key = f"{kind} {element}"
+      found[key] = found.get(key, 0) + _bytes(element, dims) * times
+  return dict(sorted(found.items()))

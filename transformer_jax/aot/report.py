@@ -14,7 +14,7 @@ import jax
 
 from transformer_jax import sharding
 from transformer_jax.accelerators import GiB, compiled_memory
-from transformer_jax.aot.hlo_cost import NO_BREAKDOWN, op_breakdown
+from transformer_jax.aot.hlo_cost import NO_BREAKDOWN, collective_bytes, op_breakdown
 from transformer_jax.aot.programs import Program, RunSettings
 from transformer_jax.aot.targets import Topology
 
@@ -59,9 +59,12 @@ class CompileReport:
   xla_error: str | None = None                 # the compiler's refusal
   note: str | None = None                      # how to read this program's figures
   top_ops: list[dict[str, Any]] | None = None  # {"op", "share"} of XLA's estimates
+  # Bytes of each collective's results per chip and call, "kind element-type" -> bytes
+  # (hlo_cost.collective_bytes); {} for a program without collectives.
+  collectives: dict[str, int] | None = None
 
   _OPTIONAL = ("output_bytes", "alias_bytes", "generated_code_bytes", "xla_error", "note",
-               "top_ops")
+               "top_ops", "collectives")
 
   def to_dict(self) -> dict[str, Any]:
     """The JSON form: the optional fields only where present."""
@@ -127,10 +130,9 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
   # comes back negative, which is no estimate: kept raw in the JSON, reported as none.
   raw_seconds = cost.get("optimal_seconds")
   seconds = float(raw_seconds) if raw_seconds and raw_seconds > 0 else None
-  # Parsing the optimized module (megabytes of text for the WMT14 models) is needed only to
-  # correct an estimate or to rank operations.
-  breakdown = (op_breakdown(compiled.as_text()) if seconds is not None or top_ops
-               else NO_BREAKDOWN)
+  # The optimized module: megabytes of text for the WMT14 models, parsed in about a second.
+  hlo_text = compiled.as_text()
+  breakdown = op_breakdown(hlo_text) if seconds is not None or top_ops else NO_BREAKDOWN
   loop_factor = breakdown.loop_factor if seconds is not None else None
   if loop_factor and seconds is not None:
     # cost_analysis() counts a loop body once: a step that scans its layers
@@ -175,7 +177,8 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
       note="; ".join(notes) or None,
       top_ops=([{"op": op, "share": cycles / breakdown.total_cycles}
                 for op, cycles in breakdown.ops[:top_ops]]
-               if top_ops and breakdown.total_cycles else None))
+               if top_ops and breakdown.total_cycles else None),
+      collectives=collective_bytes(hlo_text))
 
 
 def _gib(n: float | None) -> str:
@@ -228,6 +231,11 @@ def format_report(header: str, results: dict[str, CompileReport],
       lines.append(f"{n}: the operations XLA's cost model estimates to take the most time "
                    "(share of its per-instruction estimates, all layers together)")
       lines += [f"  {100 * t['share']:5.1f}%  {t['op']}" for t in results[n].top_ops or []]
+  for n in names:
+    collectives = results[n].collectives
+    if collectives:
+      moved = ", ".join(f"{kind} {size / GiB:.3f}" for kind, size in collectives.items())
+      lines.append(f"{n}: collectives per chip and call (GiB of results, by element type): {moved}")
   lines.append(f"note: {note} ('-': XLA gave no estimate for this chip); roofline: "
                "the compiled FLOPs at peak or bytes at HBM bandwidth, whichever is slower "
                "(our bound, not XLA's; another basis is named below); model FLOPs: "
