@@ -74,8 +74,11 @@ def get_config() -> ml_collections.ConfigDict:
   # distributed.initialize=True (cluster read from the environment on Cloud TPU/SLURM), or
   # give coordinator_address "host:port", num_processes and process_id. shard_optimizer_state:
   # the Adam moments split over the data axis as well, parameters replicated (ZeRO-1).
+  # reduce_gradients_in: auto (XLA sums the replicas' gradients in the backward matmuls'
+  # dtype) | bfloat16 | float32 (summed explicitly in that dtype; fsdp = tensor = 1).
   config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1,
-                                                shard_optimizer_state=False))
+                                                shard_optimizer_state=False,
+                                                reduce_gradients_in="auto"))
   config.distributed = ml_collections.ConfigDict(dict(
       initialize=False, coordinator_address="", num_processes=0, process_id=-1))
   # Self-pretraining (encoder tasks; docs/pretraining.md): enabled, train.py first trains a

@@ -149,6 +149,33 @@ def test_layouts_match_one_device(reference, layout):
                          got.opt_state, ref_state.opt_state)
 
 
+@needs_8_devices
+def test_gradients_summed_explicitly_match_the_partitioner_s_and_bfloat16_stays_close():
+  """mesh.reduce_gradients_in: "float32" sums the 8 replicas' gradients in a shard_map and
+  gives the partitioner's step; "bfloat16" rounds them to bfloat16 for the sum: close to it,
+  not equal. Adam's first moment after one step is 0.1 x the gradient: compared there."""
+  from transformer_jax.options import MeshOptions, UserError
+  task = Seq2SeqTask(tiny_config(num_heads=4, dropout_rate=0.0), label_smoothing=0.1)
+  mesh = sharding.make_mesh(dict(data=8))
+  init = lambda: new_train_state(task.init_params(jax.random.PRNGKey(0)), OPTIMIZER, 0)
+  moments, losses = {}, {}
+  for how in ("auto", "float32", "bfloat16"):
+    state, state_sharding = sharding.create_sharded(init, mesh)
+    step = make_train_step(task, OPTIMIZER, lambda s: 3e-3, 1, state_sharding,
+                           sharding.batch_sharding(mesh), reduce_gradients_in=how)
+    state, metrics = step(state, sharding.to_global(_batch(), mesh))
+    moments[how] = jax.tree_util.tree_leaves(jax.device_get(state.opt_state[0].mu))
+    losses[how] = float(metrics["loss"])
+  assert losses["float32"] == pytest.approx(losses["auto"], rel=1e-6)
+  for a, b in zip(moments["float32"], moments["auto"]):
+    assert_close(a, b, atol=1e-9, rtol=1e-5)
+  flat = {how: np.concatenate([np.ravel(x) for x in m]) for how, m in moments.items()}
+  error = np.linalg.norm(flat["bfloat16"] - flat["auto"]) / np.linalg.norm(flat["auto"])
+  assert 0 < error < 1e-2, error           # bfloat16 keeps 8 bits of mantissa: ~0.4% a value
+  with pytest.raises(UserError, match="mesh.fsdp=1 and mesh.tensor=1"):
+    MeshOptions(data=4, fsdp=2, reduce_gradients_in="bfloat16")
+
+
 # ------------------------------------------------------------- the layout itself
 def _spec(state, path_fragment: str, tree: str = "params"):
   leaves = jax.tree_util.tree_flatten_with_path(getattr(state, tree))[0]

@@ -54,6 +54,9 @@ def check_choice(group: str, name: str, value: Any, choices: Sequence[str]) -> N
     raise UserError(f"{group}{name}={value!r}: must be one of {tuple(choices)}")
 
 
+REDUCTION_DTYPES = ("auto", "bfloat16", "float32")
+
+
 class _Options:
   """A config group: `from_dict` builds it from a mapping, ignoring keys that are not its
   fields (saved configs of other versions; the group's own fields are checked here)."""
@@ -196,11 +199,23 @@ class OptimizerOptions(_Options):
 class MeshOptions(_Options):
   """Devices per mesh axis (sharding.py); -1 takes the devices the others leave.
   `shard_optimizer_state` splits the optimizer state over the data axis too, while the
-  parameters stay replicated over it (ZeRO-1; sharding.split_over_data)."""
+  parameters stay replicated over it (ZeRO-1; sharding.split_over_data).
+  `reduce_gradients_in`: "auto" lets XLA's partitioner sum the replicas' gradients in the
+  dtype of the backward matmuls (bfloat16 for a bfloat16 model); "bfloat16" or "float32"
+  sums each replica's gradient explicitly in that dtype (the MLPerf TPU Transformer's
+  bfloat16 reduction; replicated parameters only: fsdp = tensor = 1)."""
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
   shard_optimizer_state: bool = False
+  reduce_gradients_in: str = "auto"
+
+  def __post_init__(self) -> None:
+    check_choice("mesh.", "reduce_gradients_in", self.reduce_gradients_in, REDUCTION_DTYPES)
+    if self.reduce_gradients_in != "auto" and (self.fsdp, self.tensor) != (1, 1):
+      raise UserError(f"mesh.reduce_gradients_in={self.reduce_gradients_in!r} sums replicas "
+                      f"of whole gradients: it needs mesh.fsdp=1 and mesh.tensor=1, not "
+                      f"{self.fsdp} and {self.tensor} (or keep reduce_gradients_in='auto')")
 
   def sizes(self) -> dict[str, int]:
     return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}

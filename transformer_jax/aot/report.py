@@ -234,8 +234,8 @@ def format_report(header: str, results: dict[str, CompileReport],
   for n in names:
     collectives = results[n].collectives
     if collectives:
-      moved = ", ".join(f"{kind} {size / GiB:.3f}" for kind, size in collectives.items())
-      lines.append(f"{n}: collectives per chip and call (GiB of results, by element type): {moved}")
+      moved = ", ".join(f"{kind} {size / 2**20:.1f}" for kind, size in collectives.items())
+      lines.append(f"{n}: collectives per chip and call (MiB of results, by element type): {moved}")
   lines.append(f"note: {note} ('-': XLA gave no estimate for this chip); roofline: "
                "the compiled FLOPs at peak or bytes at HBM bandwidth, whichever is slower "
                "(our bound, not XLA's; another basis is named below); model FLOPs: "

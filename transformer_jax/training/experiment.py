@@ -284,7 +284,8 @@ class Experiment:
     return make_train_step(self.task, self.optimizer, self.schedule,
                            self.train.grad_accum_steps, state_sharding,
                            sharding.batch_sharding(self.mesh),
-                           split_gradients_over_data=self.options.mesh.shard_optimizer_state)
+                           split_gradients_over_data=self.options.mesh.shard_optimizer_state,
+                           reduce_gradients_in=self.options.mesh.reduce_gradients_in)
 
   def eval_step(self, params_sharding: Any) -> Callable:
     """The jitted teacher-forced step `(params, global batch) -> sums`."""

@@ -7,6 +7,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from transformer_jax import sharding
 from transformer_jax.training.state import TrainState
@@ -51,25 +52,53 @@ def _grads_and_sums(task: Any, params: Any, batch: dict, rng: jax.Array,
   return grads, sums
 
 
+def _summed_over_replicas(task: Any, grad_accum_steps: int, dtype: str, params_sharding: Any,
+                          batch_sharding: Any) -> Callable:
+  """`_grads_and_sums` with each replica's gradient summed explicitly in `dtype` (shard_map
+  over the batch axes; the parameters are replicated). Each replica draws its dropout from
+  its own key, so with dropout the masks differ from the partitioner's (one key)."""
+  def local(params: Any, batch: dict, rng: jax.Array) -> tuple[Any, dict]:
+    rng = jax.random.fold_in(rng, jax.lax.axis_index("data"))
+    grads, sums = _grads_and_sums(task, params, batch, rng, grad_accum_steps)
+    grads = jax.tree_util.tree_map(
+        lambda g: jax.lax.psum(g.astype(dtype), sharding.BATCH_AXES).astype(g.dtype), grads)
+    return grads, jax.lax.psum(sums, sharding.BATCH_AXES)
+
+  specs = jax.tree_util.tree_map(lambda s: s.spec, params_sharding)
+  # check_vma=False: the model's custom VJPs (the tied projection's) do not track which
+  # values vary across replicas; psum is applied to every gradient and sum here by hand.
+  return jax.shard_map(local, mesh=batch_sharding.mesh, in_specs=(specs, batch_sharding.spec, P()),
+                       out_specs=(specs, P()), check_vma=False)
+
+
 def make_train_step(task: Any, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, grad_accum_steps: int = 1,
                     state_sharding: Any = None, batch_sharding: Any = None,
-                    split_gradients_over_data: bool = False) -> Callable:
+                    split_gradients_over_data: bool = False,
+                    reduce_gradients_in: str = "auto") -> Callable:
   """Returns jitted `(state, batch) -> (state, metrics)` with the state buffers donated.
   With shardings (see sharding.py) the state keeps its layout from step to step. With
   `split_gradients_over_data` (ZeRO-1: the optimizer state split over data) the gradients
   take the optimizer state's layout as soon as they are summed, so that XLA reduce-scatters
-  them instead of all-reducing them, and each replica updates only its share.
+  them instead of all-reducing them, and each replica updates only its share. With
+  `reduce_gradients_in` "bfloat16" or "float32" (shardings required, parameters replicated)
+  the replicas' gradients are summed explicitly in that dtype (options.MeshOptions).
 
   A step whose loss or gradient is not finite leaves params and optimizer state unchanged
   and reports metrics["nonfinite"] = 1; the loop decides whether to stop or go on.
   """
   if grad_accum_steps < 1:
     raise ValueError(f"grad_accum_steps={grad_accum_steps}: must be >= 1")
+  if reduce_gradients_in == "auto":
+    grads_and_sums = lambda params, batch, rng: _grads_and_sums(task, params, batch, rng,
+                                                                grad_accum_steps)
+  else:
+    grads_and_sums = _summed_over_replicas(task, grad_accum_steps, reduce_gradients_in,
+                                           state_sharding.params, batch_sharding)
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng = jax.random.fold_in(state.rng, state.step)
-    grads, sums = _grads_and_sums(task, state.params, batch, rng, grad_accum_steps)
+    grads, sums = grads_and_sums(state.params, batch, rng)
     weight = jnp.maximum(sums["weight"], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
     if split_gradients_over_data:
