@@ -150,20 +150,28 @@ def test_layouts_match_one_device(reference, layout):
 
 
 @needs_8_devices
-def test_gradients_summed_explicitly_match_the_partitioner_s_and_bfloat16_stays_close():
+@pytest.mark.parametrize("zero1", [False, True])
+def test_gradients_summed_explicitly_match_the_partitioner_s_and_bfloat16_stays_close(zero1):
   """mesh.reduce_gradients_in: "float32" sums the 8 replicas' gradients in a shard_map and
   gives the partitioner's step; "bfloat16" rounds them to bfloat16 for the sum: close to it,
-  not equal. Adam's first moment after one step is 0.1 x the gradient: compared there."""
+  not equal. Under ZeRO-1 the sum is a reduce-scatter into the optimizer state's split.
+  Adam's first moment after one step is 0.1 x the gradient: compared there."""
   from transformer_jax.options import MeshOptions, UserError
   task = Seq2SeqTask(tiny_config(num_heads=4, dropout_rate=0.0), label_smoothing=0.1)
   mesh = sharding.make_mesh(dict(data=8))
   init = lambda: new_train_state(task.init_params(jax.random.PRNGKey(0)), OPTIMIZER, 0)
+  shardings = _zero1_shardings(mesh) if zero1 else None
+  batch = sharding.to_global(_batch(), mesh)
   moments, losses = {}, {}
   for how in ("auto", "float32", "bfloat16"):
-    state, state_sharding = sharding.create_sharded(init, mesh)
+    state, state_sharding = sharding.create_sharded(init, mesh, shardings=shardings)
     step = make_train_step(task, OPTIMIZER, lambda s: 3e-3, 1, state_sharding,
-                           sharding.batch_sharding(mesh), reduce_gradients_in=how)
-    state, metrics = step(state, sharding.to_global(_batch(), mesh))
+                           sharding.batch_sharding(mesh), split_gradients_over_data=zero1,
+                           reduce_gradients_in=how)
+    if how == "float32":
+      hlo = step.lower(state, batch).compile().as_text()
+      assert (" reduce-scatter(" in hlo) == zero1
+    state, metrics = step(state, batch)
     moments[how] = jax.tree_util.tree_leaves(jax.device_get(state.opt_state[0].mu))
     losses[how] = float(metrics["loss"])
   assert losses["float32"] == pytest.approx(losses["auto"], rel=1e-6)

@@ -53,22 +53,37 @@ def _grads_and_sums(task: Any, params: Any, batch: dict, rng: jax.Array,
 
 
 def _summed_over_replicas(task: Any, grad_accum_steps: int, dtype: str, params_sharding: Any,
-                          batch_sharding: Any) -> Callable:
+                          batch_sharding: Any, split: bool) -> Callable:
   """`_grads_and_sums` with each replica's gradient summed explicitly in `dtype` (shard_map
-  over the batch axes; the parameters are replicated). Each replica draws its dropout from
-  its own key, so with dropout the masks differ from the partitioner's (one key)."""
-  def local(params: Any, batch: dict, rng: jax.Array) -> tuple[Any, dict]:
-    rng = jax.random.fold_in(rng, jax.lax.axis_index("data"))
-    grads, sums = _grads_and_sums(task, params, batch, rng, grad_accum_steps)
-    grads = jax.tree_util.tree_map(
-        lambda g: jax.lax.psum(g.astype(dtype), sharding.BATCH_AXES).astype(g.dtype), grads)
-    return grads, jax.lax.psum(sums, sharding.BATCH_AXES)
+  over the batch axes; the parameters are replicated). With `split` (ZeRO-1) a gradient
+  that the optimizer state splits over data is reduce-scattered into that split instead of
+  summed whole. Each replica draws its dropout from its own key, so with dropout the masks
+  differ from the partitioner's (one key)."""
+  def grads_and_sums(params: Any, batch: dict, rng: jax.Array) -> tuple[Any, dict]:
+    specs = jax.tree_util.tree_map(lambda s: s.spec, params_sharding)
+    out_specs = (jax.tree_util.tree_map(lambda s: s.spec, sharding.split_over_data(
+        params_sharding, params)) if split else specs)
 
-  specs = jax.tree_util.tree_map(lambda s: s.spec, params_sharding)
-  # check_vma=False: the model's custom VJPs (the tied projection's) do not track which
-  # values vary across replicas; psum is applied to every gradient and sum here by hand.
-  return jax.shard_map(local, mesh=batch_sharding.mesh, in_specs=(specs, batch_sharding.spec, P()),
-                       out_specs=(specs, P()), check_vma=False)
+    def reduce(g: jax.Array, spec: P) -> jax.Array:
+      on = [i for i, axes in enumerate(spec) if axes and "data" in axes]
+      if on:     # fsdp = tensor = 1 here: the data ways alone split the dimension
+        return jax.lax.psum_scatter(g.astype(dtype), "data", scatter_dimension=on[0],
+                                    tiled=True).astype(g.dtype)
+      return jax.lax.psum(g.astype(dtype), sharding.BATCH_AXES).astype(g.dtype)
+
+    def local(params: Any, batch: dict, rng: jax.Array) -> tuple[Any, dict]:
+      rng = jax.random.fold_in(rng, jax.lax.axis_index("data"))
+      grads, sums = _grads_and_sums(task, params, batch, rng, grad_accum_steps)
+      grads = jax.tree_util.tree_map(reduce, grads, out_specs,
+                                     is_leaf=lambda x: isinstance(x, P))
+      return grads, jax.lax.psum(sums, sharding.BATCH_AXES)
+
+    # check_vma=False: the model's custom VJPs (the tied projection's) do not track which
+    # values vary across replicas; every gradient and sum is reduced here by hand.
+    return jax.shard_map(local, mesh=batch_sharding.mesh,
+                         in_specs=(specs, batch_sharding.spec, P()),
+                         out_specs=(out_specs, P()), check_vma=False)(params, batch, rng)
+  return grads_and_sums
 
 
 def make_train_step(task: Any, optimizer: optax.GradientTransformation,
@@ -81,7 +96,8 @@ def make_train_step(task: Any, optimizer: optax.GradientTransformation,
   `split_gradients_over_data` (ZeRO-1: the optimizer state split over data) the gradients
   take the optimizer state's layout as soon as they are summed, so that each replica
   updates only its share (XLA's partitioner still all-reduces them rather than
-  reduce-scattering: see `aot`'s collectives). With
+  reduce-scattering: see `aot`'s collectives; with `reduce_gradients_in` set, they are
+  reduce-scattered by hand). With
   `reduce_gradients_in` "bfloat16" or "float32" (shardings required, parameters replicated)
   the replicas' gradients are summed explicitly in that dtype (options.MeshOptions).
 
@@ -95,7 +111,8 @@ def make_train_step(task: Any, optimizer: optax.GradientTransformation,
                                                                 grad_accum_steps)
   else:
     grads_and_sums = _summed_over_replicas(task, grad_accum_steps, reduce_gradients_in,
-                                           state_sharding.params, batch_sharding)
+                                           state_sharding.params, batch_sharding,
+                                           split_gradients_over_data)
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng = jax.random.fold_in(state.rng, state.step)
