@@ -180,20 +180,25 @@ def test_listen_backlog_queues_a_burst_of_connections():
 def test_sigterm_finishes_requests_in_flight_and_exits_0(artifact, served):
   from benchmarks.serve_load import start_server
   process, url = start_server(artifact, max_batch=16, max_wait_ms=5)
-  status, health, _ = _request(url, "/healthz", method="GET")
-  assert health["name"] == os.path.basename(artifact)   # the defaults: the folder's name
-  assert health["version"] == served.fingerprint[:12]
-  lines = [f"{LINES['seq2seq'][4]} {'eins ' * i}" for i in range(12)]  # 16 rows: compiles
-  answers = []
-  client = threading.Thread(target=lambda: answers.append(
-      _post(url, json.dumps({"inputs": lines}).encode())))
-  client.start()
-  while client.is_alive() and b"transformer_jax_queue_wait_seconds_count 1.0" not in (
-      urllib.request.urlopen(url + "/metrics", timeout=30).read()):
-    time.sleep(0.05)                      # until its model call (compiling) has started
-  process.send_signal(signal.SIGTERM)
-  client.join(timeout=300)
-  out, _ = process.communicate(timeout=120)
+  try:
+    status, health, _ = _request(url, "/healthz", method="GET")
+    assert health["name"] == os.path.basename(artifact)   # the defaults: the folder's name
+    assert health["version"] == served.fingerprint[:12]
+    lines = [f"{LINES['seq2seq'][4]} {'eins ' * i}" for i in range(12)]  # 16 rows: compiles
+    answers = []
+    client = threading.Thread(target=lambda: answers.append(
+        _post(url, json.dumps({"inputs": lines}).encode())))
+    client.start()
+    while client.is_alive() and b"transformer_jax_queue_wait_seconds_count 1.0" not in (
+        urllib.request.urlopen(url + "/metrics", timeout=30).read()):
+      time.sleep(0.05)                      # until its model call (compiling) has started
+    process.send_signal(signal.SIGTERM)
+    client.join(timeout=300)
+    out, _ = process.communicate(timeout=120)
+  finally:
+    if process.poll() is None:              # a failed check above: no server left behind
+      process.kill()
+      process.wait(timeout=60)
   assert answers == [(200, {"outputs": served.predict(lines)})]
   assert process.returncode == 0 and "stopped" in out, out
   with pytest.raises(OSError):            # no longer listening
