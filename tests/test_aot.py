@@ -10,6 +10,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -173,6 +174,29 @@ def test_collectives_are_counted_per_call_by_kind_and_element_type():
   from transformer_jax.aot import hlo_cost
   # The gather's result half of its start (16 x 2 bf16), the loop's all-reduce three times.
   assert hlo_cost.collective_bytes(_HLO) == {"all-gather bf16": 64, "all-reduce f32": 96}
+
+
+def test_find_max_batch_bisects_where_memory_flattens_above_hbm(monkeypatch):
+  """Without compiling, memory shaped as big's on 8xH100 (benchmarks/RESULTS.md): linear in
+  the batch up to HBM (59.33 GiB at about 2,355 rows), then flat just above it, where XLA
+  rematerializes to fit (60.06 GiB at 2,760 rows, 60.76 at 3,072). Interpolating from the
+  bracket's far end crept down 40-80 rows a compile (25 compiles); the search bisects."""
+  compiled = []
+
+  def fake_compile(options, topology, mesh):
+    rows = options.train.batch_size
+    compiled.append(rows)
+    gib = (5.1 + (rows - 96) * 0.024 if rows <= 2355
+           else max(59.4, 60.0 + (rows - 2760) * 0.0012))
+    return types.SimpleNamespace(total_bytes=int(gib * 2**30), argument_bytes=int(2.39 * 2**30),
+                                 fits=gib <= 59.33, compile_s=0.0)
+
+  monkeypatch.setattr(plan, "compile_train_step", fake_compile)
+  topo = targets.with_hbm(targets.tpu_topology("v5p:2x2x2"), 59.33)
+  mesh = sharding.make_mesh(dict(data=8), topo.devices)
+  batch, _ = plan.find_max_batch(tiny_config(96), topo, mesh, tolerance=0.1)
+  assert 0.9 * 2352 <= batch <= 2352      # within the tolerance of the largest that fits
+  assert len(compiled) <= 8, compiled
 
 
 def test_layouts_are_every_factorisation():
