@@ -9,12 +9,13 @@ Data (the default): ../shared/data/imdb: train.tsv.gz (22,500 reviews) and dev.t
 pretraining stage reads (pretrain.extra_text). Reports eval/accuracy on dev. The official
 test split is kept out. `<br />` tags become spaces (data.br_tags).
 
-Reviews are long (benchmarks/RESULTS.md, "IMDB"): rows hold data.max_length tokens, and a
-longer review keeps its first quarter and its last three quarters (data.truncate=
-"head_tail": openings and verdicts carry the sentiment); evaluation batches hold at most
+Reviews are long (benchmarks/RESULTS.md, "IMDB"): rows hold data.max_length = 512 tokens
+(84% of reviews whole; at 256, 46% were cut and seed 0 reached 87.96% dev against 89.28%
+here), and a longer review keeps its first quarter and its last three quarters
+(data.truncate="head_tail": openings and verdicts carry the sentiment); evaluation batches hold at most
 data.eval_batch_tokens tokens, so a bucket of long reviews is split into fewer rows.
 `predict` does not truncate: it refuses a review longer than model.max_len tokens, naming
-its line (cut such reviews first, e.g. to their first 64 and last 192 tokens).
+its line (cut such reviews first, e.g. to their first 128 and last 384 tokens).
 
 From TFDS instead (prepared where there is internet: `tfds build imdb_reviews
 --file_format=array_record --data_dir=DIR`): --config.data.source=tfds
@@ -30,25 +31,25 @@ from configs import default
 def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.task = "classification"
-  config.num_train_steps = 3000
+  config.num_train_steps = 2000        # dev accuracy is near its best from step 1,000
   config.log_every_steps = 100
   config.eval_every_steps = 1000
   config.checkpoint_every_steps = 500
   config.keep_checkpoints = 3
   config.average_checkpoints = 3      # the final model: the mean of the last three
-  config.batch_size = 32              # packed rows of data.max_length tokens
+  config.batch_size = 16              # packed rows of data.max_length tokens (8,192 a step)
   config.best_checkpoint_metric = "eval/accuracy"
   config.label_smoothing = 0.0
 
   config.data = default.text_data(
       dir="../shared/data/imdb", labels="negative,positive", eval_split="dev",
-      vocab_size=8000, tokenizer_max_examples=25000, br_tags="space", max_length=256,
-      too_long="truncate", truncate="head_tail", max_segments=4, eval_max_length=256,
+      vocab_size=8000, tokenizer_max_examples=25000, br_tags="space", max_length=512,
+      too_long="truncate", truncate="head_tail", max_segments=4, eval_max_length=512,
       eval_batch_tokens=16384)
 
   config.model.update(dict(
       d_model=128, num_heads=4, d_ff=512, num_encoder_layers=2, num_decoder_layers=0,
-      dropout_rate=0.2, attention_dropout_rate=0.1, max_len=256))
+      dropout_rate=0.2, attention_dropout_rate=0.1, max_len=512))
   config.model.pooling = "mean"       # mean | max | first (the classifier's head)
 
   config.optimizer.update(dict(name="adamw", weight_decay=0.01, schedule="warmup_cosine",
