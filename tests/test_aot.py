@@ -163,6 +163,7 @@ ENTRY %main (a: bf16[4,2], b: (s32[], f32[8])) -> f32[8] {
   %a = bf16[4,2]{1,0} parameter(0)
   %start = (bf16[4,2]{1,0}, bf16[16,2]{1,0}, u32[], u32[]) all-gather-start(%a), dimensions={0}
   %done = bf16[16,2]{1,0} all-gather-done(%start)
+  %fusion.6 = bf16[4,2]{1,0} fusion(%done), kind=kCustom, calls=%all-reduce-scatter.6
   %b = (s32[], f32[8]{0}) parameter(1)
   %w = (s32[], f32[8]{0}) while(%b), condition=%cond, body=%body
   ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
@@ -172,8 +173,10 @@ ENTRY %main (a: bf16[4,2], b: (s32[], f32[8])) -> f32[8] {
 
 def test_collectives_are_counted_per_call_by_kind_and_element_type():
   from transformer_jax.aot import hlo_cost
-  # The gather's result half of its start (16 x 2 bf16), the loop's all-reduce three times.
-  assert hlo_cost.collective_bytes(_HLO) == {"all-gather bf16": 64, "all-reduce f32": 96}
+  # The gather's result half of its start (16 x 2 bf16), the TPU's reduce-scatter fusion
+  # (its 4 x 2 bf16 slice), the loop's all-reduce three times.
+  assert hlo_cost.collective_bytes(_HLO) == {"all-gather bf16": 64, "all-reduce f32": 96,
+                                             "reduce-scatter bf16": 16}
 
 
 def test_find_max_batch_bisects_where_memory_flattens_above_hbm(monkeypatch):

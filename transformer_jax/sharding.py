@@ -122,8 +122,8 @@ def split_over_data(shardings: Any, shapes: Any) -> Any:
   the data ways (times the axes already on it) divide; an array without one (a scalar, a
   bias too small) keeps its sharding. For the optimizer state, with the parameters left
   replicated over data, it is ZeRO-1: each data replica updates only its share of the
-  moments, then all-gathers the updated parameters (the gradients are still all-reduced
-  by XLA's partitioner: training/steps.py)."""
+  moments, then all-gathers the updated parameters (how the gradients are reduced:
+  training/steps.py)."""
   def split(named: NamedSharding, shape: Any) -> NamedSharding:
     data = named.mesh.shape["data"]
     spec = tuple(named.spec) + (None,) * (len(shape.shape) - len(named.spec))

@@ -20,6 +20,10 @@ _ELEMENT_BITS = {"pred": 8, "bf16": 16, "f16": 16, "f32": 32, "f64": 64}
 # Collectives by the name they are reported under; an asynchronous "-start" counts as the
 # operation (its "-done" moves nothing more).
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+# The TPU compiler fuses a reduce-scatter into a custom fusion that calls a computation named
+# "all-reduce-scatter..." (an all-reduce of which each chip keeps its slice).
+_FUSED_COLLECTIVE = re.compile(r"calls=%?(all-reduce-scatter|all-gather|all-reduce|reduce-scatter)\b")
+_FUSED_KIND = {"all-reduce-scatter": "reduce-scatter"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,11 +127,15 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
   """Bytes of the results of each kind of collective per chip and call, keyed "kind
   element-type" (e.g. "all-reduce bf16"): what each chip receives, before the ring or tree
   that moves it. An asynchronous start's result holds its operand and its result (and
-  context scalars): only the result half is counted."""
+  context scalars): only the result half is counted. A fusion that calls a collective
+  (the TPU's "all-reduce-scatter" fusions) counts as that collective."""
   found: dict[str, int] = {}
-  for shape, opcode, _, times in _instructions(hlo_text):
+  for shape, opcode, rest, times in _instructions(hlo_text):
     kind = opcode.removesuffix("-start")
-    if kind not in COLLECTIVES:
+    fused = _FUSED_COLLECTIVE.search(rest) if opcode == "fusion" else None
+    if fused:
+      kind = _FUSED_KIND.get(fused.group(1), fused.group(1))
+    elif kind not in COLLECTIVES:
       continue
     arrays = [a for a in _ARRAY.findall(shape) if a[1] or a[0] not in ("u32", "s32")]
     if opcode.endswith("-start") and kind != "all-reduce":

@@ -73,7 +73,7 @@ def find_max_batch(config: Any, topology: Topology,
     guess = min(max(guess, lower), upper)
     if guess in (lo, hi) or (hi is not None and guess in (lower, upper) and hi - lo > 2):
       guess = (lo + hi) // 2 if hi is not None else guess    # Interpolation stalls: bisect.
-    elif bracketed > 1:
+    elif hi is not None and bracketed > 1:
       # One interpolated guess per bracket, then bisection: where XLA rematerializes to
       # fit, memory flattens just above HBM, and interpolating creeps a few rows a compile
       # (big on 8xH100: 3072, 2968, 2896, 2824...).

@@ -95,9 +95,9 @@ def make_train_step(task: Any, optimizer: optax.GradientTransformation,
   With shardings (see sharding.py) the state keeps its layout from step to step. With
   `split_gradients_over_data` (ZeRO-1: the optimizer state split over data) the gradients
   take the optimizer state's layout as soon as they are summed, so that each replica
-  updates only its share (XLA's partitioner still all-reduces them rather than
-  reduce-scattering: see `aot`'s collectives; with `reduce_gradients_in` set, they are
-  reduce-scattered by hand). With
+  updates only its share (on TPU the partitioner then reduce-scatters them, as fused
+  "all-reduce-scatter"s; on the CPU it all-reduces and slices; with `reduce_gradients_in`
+  set, they are reduce-scattered by hand). With
   `reduce_gradients_in` "bfloat16" or "float32" (shardings required, parameters replicated)
   the replicas' gradients are summed explicitly in that dtype (options.MeshOptions).
 
