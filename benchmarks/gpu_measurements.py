@@ -41,7 +41,7 @@ from typing import Any
 from absl import flags
 
 from benchmarks import seeds
-from transformer_jax import errors
+from transformer_jax import checkpoint, errors
 
 flags.DEFINE_string("output", None, "Where to write the JSON.", required=True)
 flags.DEFINE_string("target", "h100-sxm", "aot target kind of this GPU (h100-sxm, h200, "
@@ -111,9 +111,11 @@ def _serve(seed: str) -> list[dict[str, Any]]:
   """predict's sentences/s and the server's latency on the Multi30k model of `seed`."""
   workdir = os.path.join(FLAGS.runs, f"multi30k_s{seed}")
   checkpoints = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(checkpoints):
-    return [{"measurement": "serve", "error": f"no {checkpoints}: run --only=multi30k first"}]
-  last = max(os.listdir(checkpoints), key=lambda name: int(name) if name.isdigit() else -1)
+  steps = checkpoint.checkpoint_steps(checkpoints) if os.path.isdir(checkpoints) else []
+  if not steps:
+    return [{"measurement": "serve", "error": f"no checkpoint in {checkpoints}: run "
+             "--only=multi30k first"}]
+  last = str(steps[-1])
   artifact = os.path.join(FLAGS.runs, f"multi30k_s{seed}_stablehlo")
   inputs = os.path.join(FLAGS.runs, "val32.de")
   with open(inputs, "w") as f:   # the first 32 val sentences, as on the CPU (RESULTS.md)
