@@ -55,22 +55,25 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
 
 
-@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x2"])
-def test_compiles_under_data_fsdp_and_tensor_meshes(topology):
+# The 3-D v5p slice skips the fsdp layout, which the 2-D slice covers (a compile saved).
+@pytest.mark.parametrize("topology, layouts", [("v5e:2x2", ("data", "fsdp", "tensor")),
+                                               ("v5p:2x2x2", ("data", "tensor"))])
+def test_compiles_under_data_fsdp_and_tensor_meshes(topology, layouts):
   chips = len(targets.tpu_topology(topology).devices)
-  results = {name: train_step(64, topology, **mesh) for name, mesh in
-             [("data", dict(data=chips)), ("fsdp", dict(fsdp=chips)),
-              ("tensor", dict(data=chips // 4, tensor=4))]}
+  meshes = {"data": dict(data=chips), "fsdp": dict(fsdp=chips),
+            "tensor": dict(data=chips // 4, tensor=4)}
+  results = {name: train_step(64, topology, **meshes[name]) for name in layouts}
   for r in results.values():
     assert r.fits and 0 < r.total_bytes < r.hbm_bytes
     assert r.compiled_flops_per_chip > 0 and r.estimated_step_s > 0
     assert 0 < r.estimated_mfu < 1
   # Sharding the state over fsdp or tensor leaves each chip less of it than replication.
-  assert results["fsdp"].argument_bytes < results["data"].argument_bytes
-  assert results["tensor"].argument_bytes < results["data"].argument_bytes
+  for name in set(layouts) - {"data"}:
+    assert results[name].argument_bytes < results["data"].argument_bytes
   # Data parallelism sums the float32 gradients; fsdp gathers the parameters it splits.
   assert results["data"].collectives.get("all-reduce f32", 0) > 0
-  assert results["fsdp"].collectives.get("all-gather f32", 0) > 0
+  if "fsdp" in results:
+    assert results["fsdp"].collectives.get("all-gather f32", 0) > 0
 
 
 def test_every_program_compiles_and_reports():
