@@ -181,6 +181,12 @@ def test_collectives_are_counted_per_call_by_kind_and_element_type():
   assert hlo_cost.collective_bytes(_HLO) == {"all-gather bf16": 64, "all-reduce f32": 96,
                                              "reduce-scatter bf16": 16}
 
+  # A loop whose condition is not `i < constant` runs an unknown number of times: its body
+  # counts once, and the breakdown says a loop was unknown instead of scaling by a guess.
+  unknown = _HLO.replace("direction=LT", "direction=NE")
+  assert hlo_cost.collective_bytes(unknown)["all-reduce f32"] == 32
+  assert hlo_cost.op_breakdown(unknown).unknown_loops == 1
+  assert hlo_cost.op_breakdown(_HLO).unknown_loops == 0
 
 def test_find_max_batch_bisects_where_memory_flattens_above_hbm(monkeypatch):
   """Without compiling, memory shaped as big's on 8xH100 (benchmarks/RESULTS.md): linear in

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = (.*?) ([a-z][\w\-]*)\((.*)$")
@@ -71,13 +71,21 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
   return computations, entry
 
 
-def _instructions(hlo_text: str) -> Iterator[tuple[str, str, str, int]]:
-  """(result shape, opcode, the rest of the line, times it runs per call) of each
-  instruction the entry computation runs, through loop bodies (a body's instructions run
-  once per iteration; a loop without a readable trip count, once: see `unknown`)."""
+class _Instruction(NamedTuple):
+  shape: str          # the result's shape text
+  opcode: str
+  rest: str           # the rest of the line: operands, attributes, metadata
+  times: int          # how often it runs per call (loop bodies: per iteration)
+  unknown_trips: bool = False   # a while loop whose trip count could not be read
+
+
+def _instructions(hlo_text: str) -> Iterator[_Instruction]:
+  """Each instruction the entry computation runs, through loop bodies (a body's
+  instructions run once per iteration; a loop without a readable trip count, once, and the
+  loop itself says so in `unknown_trips`)."""
   computations, entry = _computations(hlo_text)
 
-  def walk(name: str, times: int) -> Iterator[tuple[str, str, str, int]]:
+  def walk(name: str, times: int) -> Iterator[_Instruction]:
     for line in computations.get(name, []):
       instruction = _INSTRUCTION.match(line)
       if not instruction:
@@ -86,10 +94,10 @@ def _instructions(hlo_text: str) -> Iterator[tuple[str, str, str, int]]:
       loop = _WHILE.search(rest) if opcode == "while" else None
       if loop:
         trips = _trip_count(computations.get(loop.group(1), []))
-        yield shape, "while", "unknown trip count" if trips is None else "", times
+        yield _Instruction(shape, "while", rest, times, unknown_trips=trips is None)
         yield from walk(loop.group(2), times * (trips or 1))
       else:
-        yield shape, opcode, rest, times
+        yield _Instruction(shape, opcode, rest, times)
 
   if entry is not None:
     yield from walk(entry, 1)
@@ -103,9 +111,10 @@ def op_breakdown(hlo_text: str) -> OpBreakdown:
   "encoder/layer_N/feed_forward/wi/dot_general" is that matmul in every layer."""
   groups: dict[str, int] = {}
   once, unknown = 0, 0
-  for _, opcode, rest, times in _instructions(hlo_text):
+  for instruction in _instructions(hlo_text):
+    _, opcode, rest, times, unknown_trips = instruction
     if opcode == "while":
-      unknown += rest == "unknown trip count"
+      unknown += unknown_trips
       continue
     cycles = _CYCLES.search(rest)
     if cycles:
@@ -130,7 +139,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
   context scalars): only the result half is counted. A fusion that calls a collective
   (the TPU's "all-reduce-scatter" fusions) counts as that collective."""
   found: dict[str, int] = {}
-  for shape, opcode, rest, times in _instructions(hlo_text):
+  for shape, opcode, rest, times, _ in _instructions(hlo_text):
     kind = opcode.removesuffix("-start")
     fused = _FUSED_COLLECTIVE.search(rest) if opcode == "fusion" else None
     if fused:
