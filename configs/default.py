@@ -59,7 +59,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.optimizer = ml_collections.ConfigDict(dict(
       name="adam", b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.0,
-      schedule="warmup_cosine", learning_rate=3e-3, warmup_steps=200, clip_grad_norm=1.0))
+      schedule="warmup_cosine", learning_rate=3e-3, warmup_steps=200, clip_grad_norm=1.0,
+      pretrained_rate_scale=1.0))   # init_from another task's encoder: its modules' rate factor
   # Annealing to 0 matters here: with the paper's rsqrt decay the same model plateaus
   # below 99% exact match in this budget.
 

@@ -16,7 +16,7 @@ import pytest
 from test_tasks import _lines, _shrink, entity_corpus
 
 from configs import conll2003, sst2
-from transformer_jax import checkpoint
+from transformer_jax import checkpoint, sharding
 from transformer_jax.data.vocab import SPECIALS
 from transformer_jax.errors import UserError
 from transformer_jax.predict import Predictor
@@ -93,6 +93,36 @@ def test_init_from_carries_the_encoder_and_leaves_the_head_fresh(recipe_run, tmp
   assert experiment.data.tokenizer.words == Predictor(
       os.path.join(workdir, "pretrain")).task.tokenizer.words
 
+
+
+def test_a_lower_rate_for_the_pretrained_encoder_scales_only_its_updates(recipe_run, tmp_path):
+  """optimizer.pretrained_rate_scale: from the same state and batch, the first steps move
+  the carried encoder by that fraction of the one-rate steps, and the fresh head alike."""
+  config, workdir, _ = recipe_run
+  steps = {}
+  for scale in (1.0, 0.25):
+    run = copy.deepcopy(config)
+    run.pretrain.enabled = False
+    run.init_from = os.path.join(workdir, "pretrain", "checkpoints", "30")
+    run.optimizer.pretrained_rate_scale = scale
+    experiment = Experiment.create(run, str(tmp_path / f"fine{scale}"))
+    state, shardings = experiment.init_state()
+    params, carried = experiment.initial_params(state.params)
+    state = state.replace(params=params)
+    batches = experiment.data.train_iterator(experiment.task, run.batch_size)
+    batch = sharding.to_global(next(batches), experiment.mesh)
+    batches.close()
+    before = jax.device_get(params)            # the step donates the state
+    step = experiment.train_step(shardings)
+    after, _ = step(*step(state, batch)[:1], batch)   # the warm-up's first rate is 0
+    steps[scale] = jax.tree_util.tree_map(lambda a, b: np.asarray(a) - b, after.params, before)
+  assert carried == ["character_features", "encoder"]
+  for name in steps[1.0]:
+    factor = 0.25 if name in carried else 1.0
+    jax.tree_util.tree_map(lambda low, full, f=factor: np.testing.assert_allclose(
+        low, f * full, rtol=1e-3, atol=5e-7), steps[0.25][name], steps[1.0][name])
+  # The steps are far larger than the float32 rounding of the parameters (atol above).
+  assert np.abs(steps[1.0]["encoder"]["embedding"]["embedding"]).max() > 1e-5
 
 def test_one_command_pretrains_fine_tunes_a_tagger_resumes_and_predicts(recipe_run):
   config, workdir, final = recipe_run

@@ -173,7 +173,9 @@ class DataOptions(_Options):
 class OptimizerOptions(_Options):
   """Adam or AdamW (paper: Adam(0.9, 0.98, 1e-9)) on a learning-rate schedule whose peak is
   `learning_rate` (rsqrt with learning_rate <= 0: the paper's own peak), gradients clipped to
-  global norm `clip_grad_norm` (0: off)."""
+  global norm `clip_grad_norm` (0: off). `pretrained_rate_scale`: fine-tuning from another
+  task's model (init_from a pretrained encoder), the carried modules learn at this fraction
+  of the rate and the fresh head at the full rate (1: one rate for all)."""
   name: str = "adam"
   b1: float = 0.9
   b2: float = 0.98
@@ -183,9 +185,13 @@ class OptimizerOptions(_Options):
   learning_rate: float = 0.0
   warmup_steps: int = 4000
   clip_grad_norm: float = 0.0
+  pretrained_rate_scale: float = 1.0
 
   def __post_init__(self) -> None:
     check_choice("optimizer.", "name", self.name, OPTIMIZERS)
+    if not 0 < self.pretrained_rate_scale <= 1:
+      raise UserError(f"optimizer.pretrained_rate_scale={self.pretrained_rate_scale}: must "
+                      "be in (0, 1] (a fraction of the head's rate)")
     check_choice("optimizer.", "schedule", self.schedule, SCHEDULES)
     _integer("optimizer.", "warmup_steps", self.warmup_steps, 0)
     if self.schedule == "rsqrt" and self.warmup_steps < 1:

@@ -50,6 +50,7 @@ class ModelRecord:
   config: dict
   assets: TextAssets
   averaged_steps: list[int]
+  modules: list[str]          # the top-level parameter modules ("encoder", "classifier", ...)
 
 
 def read_record(path: str) -> ModelRecord:
@@ -59,7 +60,8 @@ def read_record(path: str) -> ModelRecord:
   manifest = json["manifest"]
   return ModelRecord(path=str(path), step=int(manifest["step"]), config=json["config"],
                assets=load_tokenizer_item(json["tokenizer"]),
-               averaged_steps=list(manifest.get("averaged_steps", [manifest["step"]])))
+               averaged_steps=list(manifest.get("averaged_steps", [manifest["step"]])),
+               modules=sorted({leaf.split("/")[0] for leaf in manifest["leaves"]["params"]}))
 
 
 def restore_params(path: str, abstract_params: Any | None = None) -> Any:

@@ -154,6 +154,15 @@ def _carry_modules(fresh: Any, saved: Any, path: str) -> tuple[Any, list[str]]:
   return {**fresh, **carried}, shared
 
 
+def _carried_modules(task: Task, pretrained: checkpoint.ModelRecord | None) -> list[str]:
+  """The top-level modules that init_from carries from another task's model (its encoder),
+  as Experiment.initial_params will: [] without one, or from a model of this run's task."""
+  if pretrained is None or TrainOptions.from_dict(pretrained.config).task == task.name:
+    return []
+  fresh = jax.eval_shape(task.init_params, jax.random.PRNGKey(0))
+  return sorted(set(fresh) & set(pretrained.modules))
+
+
 @dataclasses.dataclass
 class Experiment:
   """Everything a run derives from its config before the first step."""
@@ -210,8 +219,8 @@ class Experiment:
                     target_tokenizer=source and source.target_tokenizer, labels=labels,
                     label_smoothing=train.label_smoothing, head=head)
     schedule = make_schedule(options.optimizer, model_cfg.d_model, train.num_train_steps)
-    return cls(options, task, source, mesh, schedule,
-               make_optimizer(options.optimizer, schedule), pretrained)
+    optimizer = make_optimizer(options.optimizer, schedule, _carried_modules(task, pretrained))
+    return cls(options, task, source, mesh, schedule, optimizer, pretrained)
 
   @property
   def train(self) -> TrainOptions:

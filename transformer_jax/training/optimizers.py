@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -33,10 +36,12 @@ def make_schedule(cfg: OptimizerOptions, d_model: int,
                                             max(num_train_steps, warmup + 1))
 
 
-def make_optimizer(cfg: OptimizerOptions,
-                   schedule: optax.Schedule) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimizerOptions, schedule: optax.Schedule,
+                   pretrained_modules: Sequence[str] = ()) -> optax.GradientTransformation:
   """Adam(b1, b2, eps) as in the paper (0.9, 0.98, 1e-9), optional AdamW decay and global
-  gradient-norm clipping."""
+  gradient-norm clipping. The updates of `pretrained_modules` (top-level parameter modules
+  carried over by init_from) are scaled by cfg.pretrained_rate_scale: a lower rate for a
+  pretrained encoder than for its fresh head (ULMFiT's discriminative fine-tuning)."""
   if cfg.name == "adamw":
     tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                      weight_decay=cfg.weight_decay)
@@ -44,4 +49,14 @@ def make_optimizer(cfg: OptimizerOptions,
     tx = optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
   if cfg.clip_grad_norm and cfg.clip_grad_norm > 0:
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip_grad_norm), tx)
+  if pretrained_modules and cfg.pretrained_rate_scale != 1:
+    carried = frozenset(pretrained_modules)
+
+    def labels(params: Any) -> Any:
+      return {name: jax.tree_util.tree_map(
+                  lambda _, label="pretrained" if name in carried else "fresh": label, tree)
+              for name, tree in params.items()}
+    tx = optax.chain(tx, optax.multi_transform(
+        {"pretrained": optax.scale(cfg.pretrained_rate_scale), "fresh": optax.identity()},
+        labels))
   return tx
