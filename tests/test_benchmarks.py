@@ -60,6 +60,28 @@ def test_train_step_json_has_consistent_fields():
   assert "peak_memory_bytes" in r and r["compiled_memory"]["total_bytes"] > 0
 
 
+PEER_HARNESS = os.path.join(ROOT, "..", "shared", "bench", "peer_flax_wmt.py")
+
+
+@pytest.mark.skipif(not os.path.exists(PEER_HARNESS), reason="../shared/bench is not beside "
+                    "the checkout (the side-by-side harness with Flax's WMT model)")
+def test_the_shared_flax_wmt_harness_runs_our_step_beside_the_peer():
+  """../shared/bench/peer_flax_wmt.py imports the project's task, optimizer and step by name:
+  it still runs them, the models differ by exactly the known parameters, and both fresh
+  models predict no better than uniform (each last step's NLL between log V and 2 log V)."""
+  tiny = ["--d_model=32", "--num_heads=2", "--d_ff=64", "--layers=1", "--vocab=64",
+          "--batch=2", "--src_len=8", "--tgt_len=8", "--max_len=16", "--steps=1",
+          "--rounds=2", "--warmup=0", "--json"]
+  result = subprocess.run([sys.executable, PEER_HARNESS, *tiny], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+  assert result.returncode == 0, result.stderr[-3000:]
+  r = json.loads(result.stdout.strip().splitlines()[-1])
+  assert r["params_difference_explained"]
+  assert r["timed_steps"] == {"peer": 2, "project": 2}
+  for nll in r["last_nll"].values():
+    assert np.log(64) - 0.05 < nll < 2 * np.log(64)
+
+
 def test_decode_json_reports_greedy_and_beam_with_and_without_cache():
   out = _run("benchmarks.decode", *TINY, "--max_length=6", "--beam_size=3", "--json")
   r = json.loads(out.stdout.strip().splitlines()[-1])

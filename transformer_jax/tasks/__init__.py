@@ -15,6 +15,10 @@ from transformer_jax.tasks.mlm import MaskedLMTask
 from transformer_jax.tasks.seq2seq import Seq2SeqTask
 from transformer_jax.tasks.tagging import TaggingTask
 
+# The translation task's earlier name, which outside code imports (../shared/bench's
+# side-by-side harness with Flax's WMT model: `from transformer_jax.tasks import TranslationTask`).
+TranslationTask = Seq2SeqTask
+
 TASKS: dict[str, type[Task]] = {
     t.name: t for t in (Seq2SeqTask, ClassificationTask, TaggingTask, MaskedLMTask)}
 
@@ -44,5 +48,5 @@ def from_run_config(run_config: Mapping[str, Any], *, tokenizer: Any = None,
              target_tokenizer=target_tokenizer, labels=labels, head=head)
 
 
-__all__ = ["TASKS", "Task", "EvalBatch", "Seq2SeqTask", "ClassificationTask",
+__all__ = ["TASKS", "Task", "EvalBatch", "Seq2SeqTask", "TranslationTask", "ClassificationTask",
            "TaggingTask", "MaskedLMTask", "task_class", "split_model_fields", "from_run_config"]
