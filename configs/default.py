@@ -90,7 +90,9 @@ def get_config() -> ml_collections.ConfigDict:
       learning_rate=0.0,         # 0: the run's optimizer.learning_rate
       warmup_steps=500, mask_rate=0.15,
       vocab_size=0,              # sentencepiece: 0 = data.vocab_size
-      extra_text=""))            # a file in data.dir, one text per line (IMDB: unsup.txt)
+      extra_text="",             # a file in data.dir, one text per line (IMDB: unsup.txt)
+      dropout_rate=0.1, attention_dropout_rate=0.1,   # the stage's own (BERT's)
+      max_length=0))             # tokens per packed row; 0 = data.max_length
   return config
 
 

@@ -157,6 +157,8 @@ TRAIN_CASES = [
     Case("negative_warmup", tiny(**{"optimizer.warmup_steps": -1}), ("warmup_steps",)),
     Case("pretrained_rate_above_1", tiny(**{"optimizer.pretrained_rate_scale": 2.0}),
          ("optimizer.pretrained_rate_scale=2.0", "(0, 1]")),
+    Case("pretrain_dropout_1", tiny(**{"pretrain.dropout_rate": 1.0}),
+         ("pretrain.dropout_rate=1.0", "[0, 1)")),
     Case("mesh_vs_devices", tiny(**{"mesh.data": 3}), ("mesh", "needs 3 devices")),
     Case("batch_vs_grad_accum", tiny(grad_accum_steps=3), ("grad_accum_steps=3",)),
     Case("misspelt_best_metric", tiny(keep_best_checkpoints=1,

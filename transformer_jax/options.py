@@ -243,7 +243,9 @@ class PretrainOptions(_Options):
   masked language model (task "mlm") on the text of the run's training split (plus the
   lines of `extra_text` in data.dir) in W/pretrain, with its own vocabulary (`vocab_size`,
   0: data.vocab_size), steps, batch (0: the run's) and peak learning rate (0: the run's),
-  then fine-tunes from it in W. `mask_rate`: the share of tokens the model predicts."""
+  then fine-tunes from it in W. `mask_rate`: the share of tokens the model predicts.
+  `dropout_rate` / `attention_dropout_rate`: the stage's own (BERT's 0.1 by default; the
+  fine-tuning keeps the run's). `max_length`: tokens per packed row (0: data.max_length)."""
   enabled: bool = False
   num_train_steps: int = 2000
   batch_size: int = 0
@@ -252,16 +254,23 @@ class PretrainOptions(_Options):
   mask_rate: float = 0.15
   vocab_size: int = 0
   extra_text: str = ""
+  dropout_rate: float = 0.1
+  attention_dropout_rate: float = 0.1
+  max_length: int = 0
 
   def __post_init__(self) -> None:
     for name, low in (("num_train_steps", 1), ("batch_size", 0), ("warmup_steps", 0),
-                      ("vocab_size", 0)):
+                      ("vocab_size", 0), ("max_length", 0)):
       _integer("pretrain.", name, getattr(self, name), low)
     if not isinstance(self.learning_rate, (int, float)) or self.learning_rate < 0:
       raise UserError(f"pretrain.learning_rate={self.learning_rate!r}: must be >= 0 (0: the "
                       "run's optimizer.learning_rate)")
     if not isinstance(self.mask_rate, (int, float)) or not 0 < self.mask_rate < 1:
       raise UserError(f"pretrain.mask_rate={self.mask_rate!r}: must be in (0, 1)")
+    for name in ("dropout_rate", "attention_dropout_rate"):
+      rate = getattr(self, name)
+      if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate < 1:
+        raise UserError(f"pretrain.{name}={rate!r}: must be in [0, 1)")
 
 
 _POSITIVE_FIELDS = ("num_train_steps", "log_every_steps", "eval_every_steps",

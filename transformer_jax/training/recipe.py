@@ -36,17 +36,21 @@ def pretraining_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
   """The masked-LM run that pretrains the encoder of `run_config` (a classification or
   tagging run config, as a plain dict) on the text of its training split: the same
   encoder, data files and tokenizer settings; steps, batch, learning rate, masking rate,
-  vocabulary size and extra text from its `pretrain` group."""
+  vocabulary size, extra text, dropout and row length from its `pretrain` group."""
   config = copy.deepcopy(dict(run_config))
   pretrain = PretrainOptions.from_dict(config.get("pretrain"))
   architecture = {f.name for f in dataclasses.fields(TransformerConfig)}
   model = {k: v for k, v in config["model"].items()
            if k in architecture or k in MaskedLMTask.carried_head_options}
-  model.update(mask_rate=pretrain.mask_rate, word_dropout=0.0)   # masking does its work
+  model.update(mask_rate=pretrain.mask_rate, word_dropout=0.0,    # masking does its work
+               dropout_rate=pretrain.dropout_rate,
+               attention_dropout_rate=pretrain.attention_dropout_rate)
   data = {**config["data"], "text_of": config["task"], "extra_text": pretrain.extra_text,
           "test_split": ""}   # a test split is read once per reported configuration
   if pretrain.vocab_size:
     data["vocab_size"] = pretrain.vocab_size
+  if pretrain.max_length:
+    data["max_length"] = pretrain.max_length
   optimizer = {**config["optimizer"], "warmup_steps": pretrain.warmup_steps}
   if pretrain.learning_rate:
     optimizer["learning_rate"] = pretrain.learning_rate
