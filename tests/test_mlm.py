@@ -213,7 +213,7 @@ def test_the_pretraining_stage_has_its_own_dropout_and_row_length():
   stage = recipe.pretraining_config(config)
   assert stage["task"] == "mlm"
   assert (stage["model"]["dropout_rate"], stage["model"]["attention_dropout_rate"]) == (0.0, 0.05)
-  assert stage["data"]["max_length"] == 32
+  assert stage["data"]["max_length"] == stage["data"]["eval_max_length"] == 32
   # The fine-tuning run keeps its own settings; max_length 0 means the run's rows.
   assert (config["model"]["dropout_rate"], config["data"]["max_length"]) == (0.3, 64)
   config["pretrain"]["max_length"] = 0

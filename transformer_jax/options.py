@@ -245,7 +245,7 @@ class PretrainOptions(_Options):
   0: data.vocab_size), steps, batch (0: the run's) and peak learning rate (0: the run's),
   then fine-tunes from it in W. `mask_rate`: the share of tokens the model predicts.
   `dropout_rate` / `attention_dropout_rate`: the stage's own (BERT's 0.1 by default; the
-  fine-tuning keeps the run's). `max_length`: tokens per packed row (0: data.max_length)."""
+  fine-tuning keeps the run's). `max_length`: tokens per packed row, also in evaluation (0: the run's)."""
   enabled: bool = False
   num_train_steps: int = 2000
   batch_size: int = 0

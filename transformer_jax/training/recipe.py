@@ -49,8 +49,8 @@ def pretraining_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
           "test_split": ""}   # a test split is read once per reported configuration
   if pretrain.vocab_size:
     data["vocab_size"] = pretrain.vocab_size
-  if pretrain.max_length:
-    data["max_length"] = pretrain.max_length
+  if pretrain.max_length:   # rows and evaluation at the stage's length
+    data["max_length"] = data["eval_max_length"] = pretrain.max_length
   optimizer = {**config["optimizer"], "warmup_steps": pretrain.warmup_steps}
   if pretrain.learning_rate:
     optimizer["learning_rate"] = pretrain.learning_rate
