@@ -10,7 +10,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from transformer_jax import errors
-from transformer_jax.options import renamed_overrides
+from transformer_jax.renamed_fields import renamed_overrides
 from transformer_jax.training.loop import evaluate_saved
 from transformer_jax.training.recipe import train
 

@@ -1,6 +1,6 @@
 """The run config's schema: every config group as a frozen, typed options object with its
 defaults and its validation (one-line UserErrors naming the field), read once from the
-ml_collections config by `RunOptions.from_config`; and the field names that changed.
+ml_collections config by `RunOptions.from_config` (field names that changed: renamed_fields.py).
 
 This is the only module that reads a ConfigDict. Below the setup, a function takes the
 options object it reads: `make_optimizer(OptimizerOptions)`, `make_source(task, DataOptions)`,
@@ -15,18 +15,7 @@ import dataclasses
 from typing import Any, ClassVar, Mapping, Sequence, TypeVar
 
 from transformer_jax.errors import UserError
-
-# Old name -> new name. An override of an old name fails with a message giving the new one;
-# a saved config.json that uses old names (workdirs of earlier versions) is read under the
-# new ones.
-RENAMED_FIELDS = {
-    "decode.batch_size": "eval.batch_size",
-    "decode.eval_examples": "eval.examples",
-    "data.eval_examples": "eval.examples",
-    "decode.num_samples": "eval.num_samples",
-    "pooling": "model.pooling",
-    "data.task": "data.synthetic_task",
-}
+from transformer_jax.renamed_fields import upgrade
 
 DATA_SOURCES = ("synthetic", "local", "tfds")
 TOKENIZERS = ("sentencepiece", "words")
@@ -36,10 +25,6 @@ SCHEDULES = ("rsqrt", "warmup_cosine", "constant")
 OPTIMIZERS = ("adam", "adamw")
 NONFINITE_POLICIES = ("stop", "skip")
 O = TypeVar("O", bound="_Options")
-
-
-class RenamedFieldError(UserError):
-  """A config field was given by a name it no longer has."""
 
 
 def _integer(group: str, name: str, value: Any, low: int) -> None:
@@ -377,30 +362,3 @@ def _check_known_fields(given: Mapping[str, Any]) -> None:
   if unknown:
     raise UserError(f"unknown config field(s) {', '.join(unknown)}: not options of this "
                     "version (the config groups are in transformer_jax/options.py)")
-
-
-def renamed_overrides(argv: Sequence[str]) -> list[str]:
-  """Messages for command-line overrides (`--config.a.b=V`) that use an old field name."""
-  messages = []
-  for arg in argv:
-    if arg.startswith("--config."):
-      name = arg[len("--config."):].split("=", 1)[0]
-      if name in RENAMED_FIELDS:
-        messages.append(f"--config.{name} is now --config.{RENAMED_FIELDS[name]}")
-  return messages
-
-
-def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
-  """A saved run config (config.json, or one inside a checkpoint) with old field names moved
-  to their new ones; the new name wins where both are present."""
-  upgraded = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
-  for old, new in RENAMED_FIELDS.items():
-    old_group, _, old_key = old.rpartition(".")
-    source = upgraded.get(old_group, {}) if old_group else upgraded
-    if not isinstance(source, dict) or old_key not in source:
-      continue
-    value = source.pop(old_key)
-    new_group, _, new_key = new.rpartition(".")
-    target = upgraded.setdefault(new_group, {}) if new_group else upgraded
-    target.setdefault(new_key, value)
-  return upgraded

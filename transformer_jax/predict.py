@@ -28,7 +28,8 @@ from transformer_jax.data import pipeline
 from transformer_jax.errors import MissingFileError, UserError
 from transformer_jax.files import atomic_output
 from transformer_jax.inputs import InputError
-from transformer_jax.options import DecodeOptions, TrainOptions, upgrade
+from transformer_jax.options import DecodeOptions, TrainOptions
+from transformer_jax.renamed_fields import upgrade
 
 
 class Predictor:

@@ -34,7 +34,8 @@ from transformer_jax.checkpoint.manifest import (
 )
 from transformer_jax.data.tokenizer import TextAssets, load_tokenizer_item
 from transformer_jax.errors import MissingFileError
-from transformer_jax.options import TrainOptions, upgrade
+from transformer_jax.options import TrainOptions
+from transformer_jax.renamed_fields import upgrade
 
 CHECKPOINT_DIR, SNAPSHOT_DIR = "checkpoints", "exports"
 T = TypeVar("T")

@@ -20,7 +20,8 @@ from transformer_jax import params as param_utils
 from transformer_jax.config import TransformerConfig
 from transformer_jax.convert.tensors import ConvertError
 from transformer_jax.data.tokenizer import tokenizer_item
-from transformer_jax.options import TrainOptions, upgrade
+from transformer_jax.options import TrainOptions
+from transformer_jax.renamed_fields import upgrade
 from transformer_jax.tasks import Seq2SeqTask
 
 

@@ -18,7 +18,8 @@ from transformer_jax.convert import marian
 from transformer_jax.convert.files import OurModel, read_json, read_state_dict, write_json
 from transformer_jax.convert.tensors import ConvertError
 from transformer_jax.data.tokenizer import MarianSentencePiece
-from transformer_jax.options import DecodeOptions, upgrade
+from transformer_jax.options import DecodeOptions
+from transformer_jax.renamed_fields import upgrade
 
 Imported = tuple[TransformerConfig, dict, dict, Any, Any]
 

@@ -27,7 +27,8 @@ from transformer_jax.data.sources import check_data_for_task, make_source, train
 from transformer_jax.data.tokenizer import tokenizer_item
 from transformer_jax.data.vocab import SPECIALS
 from transformer_jax.errors import MissingFileError, UserError
-from transformer_jax.options import DecodeOptions, EvalOptions, RunOptions, TrainOptions, upgrade
+from transformer_jax.options import DecodeOptions, EvalOptions, RunOptions, TrainOptions
+from transformer_jax.renamed_fields import upgrade
 from transformer_jax.tasks import Task
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
 from transformer_jax.training.state import TrainState, new_train_state
