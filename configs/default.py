@@ -92,7 +92,8 @@ def get_config() -> ml_collections.ConfigDict:
       vocab_size=0,              # sentencepiece: 0 = data.vocab_size
       extra_text="",             # a file in data.dir, one text per line (IMDB: unsup.txt)
       dropout_rate=0.1, attention_dropout_rate=0.1,   # the stage's own (BERT's)
-      max_length=0))             # tokens per packed row; 0 = data.max_length
+      max_length=0,              # tokens per packed row; 0 = data.max_length
+      too_long=""))              # a longer training text: "" = data.too_long | split ...
   return config
 
 
@@ -113,7 +114,7 @@ def text_data(**fields) -> ml_collections.ConfigDict:
       tokenizer_max_examples=0,  # train the tokenizer on a sample of this size (0 = all)
       min_word_count=2,          # words: rarer words map to their shape (<unk:Xx>, ...)
       max_length=64,             # training: tokens per packed row and per example
-      too_long="drop",           # drop | truncate training examples longer than max_length
+      too_long="drop",           # drop | truncate | split training examples over max_length
       truncate="head",           # a truncated example keeps its head | tail | head_tail
       br_tags="keep",            # classification: "<br />" in the text: keep | space
       text_of="",                # mlm: the task whose files hold the text

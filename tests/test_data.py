@@ -318,6 +318,65 @@ def test_length_limit_counts_what_it_drops_or_truncates(policy):
     seq2seq_iterator(records, too_long="wrap")
 
 
+def packed_segments(batches, key: str = "tokens") -> list[tuple[int, ...]]:
+  """Every packed sequence of an encoder task's batches, split at segment boundaries."""
+  return [tuple(row[segments == s]) for batch in batches
+          for row, segments in zip(batch[key], batch["segment_ids"])
+          for s in range(1, segments.max() + 1)]
+
+
+def _has_key(tree, key: str) -> bool:
+  if isinstance(tree, dict):
+    return key in tree or any(_has_key(v, key) for v in tree.values())
+  return isinstance(tree, (list, tuple)) and any(_has_key(v, key) for v in tree)
+
+
+def test_split_keeps_every_token_in_pieces_and_resumes_mid_example():
+  """too_long="split": each text longer than max_length becomes its consecutive pieces, so
+  one epoch packs every token once; the iterator state taken between any two batches,
+  including ones in the middle of an example's pieces, resumes the same batches."""
+  task = featurizing_task("mlm", DIGITS)
+  rng = np.random.default_rng(0)
+  records = [{"text": " ".join(map(str, rng.integers(0, 10, n)))}
+             for n in rng.integers(1, 15, 24)]
+  make = lambda: pipeline.train_iterator(records, task, batch_size=2, max_length=4, seed=0,
+                                         too_long="split", num_epochs=1, prefetch=0)
+  batches, states = [], []
+  it = make()
+  while True:
+    states.append(json.loads(json.dumps(it.get_state())))
+    try:
+      batches.append(next(it))
+    except StopIteration:
+      break
+  expected = []
+  for record in records:
+    tokens = task.featurize(record)["tokens"]
+    expected += [tuple(tokens[i:i + 4]) for i in range(0, len(tokens), 4)]
+  assert sorted(packed_segments(batches)) == sorted(expected)
+  long = sum(len(task.featurize(r)["tokens"]) > 4 for r in records)
+  assert it.stats()["data/too_long"] == long > 0
+  mid_split = [k for k, state in enumerate(states[:-1]) if _has_key(state, "pieces_left")]
+  assert mid_split    # the check below covers resuming inside an example's pieces
+  for k in range(len(batches)):
+    resumed = make()
+    resumed.set_state(states[k])
+    rest = list(resumed)
+    assert len(rest) == len(batches) - k
+    for want, got in zip(batches[k:], rest):
+      for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_split_is_refused_for_a_task_whose_sides_cannot_be_cut_alike():
+  from transformer_jax.data.sources import check_data_for_task
+  from transformer_jax.tasks import MaskedLMTask
+  data = DataOptions.from_dict(dict(text_data(dir="d"), too_long="split"))
+  check_data_for_task(MaskedLMTask, data)
+  with pytest.raises(ValueError, match="data.too_long='split'.*seq2seq"):
+    check_data_for_task(Seq2SeqTask, data)
+
+
 def test_eval_buckets_keep_every_example_in_few_static_shapes():
   records = digit_records(70, max_len=40)
   task = featurizing_task("seq2seq", DIGITS)

@@ -207,14 +207,17 @@ def test_pretraining_and_init_from_together_are_refused(tmp_path):
     recipe.train(config, str(tmp_path / "run"))
 
 
-def test_the_pretraining_stage_has_its_own_dropout_and_row_length():
+def test_the_pretraining_stage_has_its_own_dropout_row_length_and_long_text_policy():
   config = sst2.get_config().to_dict()
-  config["pretrain"].update(dropout_rate=0.0, attention_dropout_rate=0.05, max_length=32)
+  config["pretrain"].update(dropout_rate=0.0, attention_dropout_rate=0.05, max_length=32,
+                            too_long="split")
   stage = recipe.pretraining_config(config)
   assert stage["task"] == "mlm"
   assert (stage["model"]["dropout_rate"], stage["model"]["attention_dropout_rate"]) == (0.0, 0.05)
   assert stage["data"]["max_length"] == stage["data"]["eval_max_length"] == 32
-  # The fine-tuning run keeps its own settings; max_length 0 means the run's rows.
+  assert stage["data"]["too_long"] == "split"
+  # The fine-tuning run keeps its own settings; max_length 0 and too_long "" mean the run's.
   assert (config["model"]["dropout_rate"], config["data"]["max_length"]) == (0.3, 64)
-  config["pretrain"]["max_length"] = 0
-  assert recipe.pretraining_config(config)["data"]["max_length"] == 64
+  config["pretrain"].update(max_length=0, too_long="")
+  stage = recipe.pretraining_config(config)
+  assert (stage["data"]["max_length"], stage["data"]["too_long"]) == (64, "truncate")

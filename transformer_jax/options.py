@@ -19,7 +19,9 @@ from transformer_jax.renamed_fields import upgrade
 
 DATA_SOURCES = ("synthetic", "local", "tfds")
 TOKENIZERS = ("sentencepiece", "words")
-TOO_LONG_POLICIES = ("drop", "truncate")
+# A training example longer than data.max_length: dropped, truncated (data.truncate says
+# which tokens stay), or split into consecutive pieces of max_length tokens.
+TOO_LONG_POLICIES = ("drop", "truncate", "split")
 TRUNCATIONS = ("head", "tail", "head_tail")   # which tokens a truncated example keeps
 SCHEDULES = ("rsqrt", "warmup_cosine", "constant")
 OPTIMIZERS = ("adam", "adamw")
@@ -230,7 +232,9 @@ class PretrainOptions(_Options):
   0: data.vocab_size), steps, batch (0: the run's) and peak learning rate (0: the run's),
   then fine-tunes from it in W. `mask_rate`: the share of tokens the model predicts.
   `dropout_rate` / `attention_dropout_rate`: the stage's own (BERT's 0.1 by default; the
-  fine-tuning keeps the run's). `max_length`: tokens per packed row, also in evaluation (0: the run's)."""
+  fine-tuning keeps the run's). `max_length`: tokens per packed row, also in evaluation (0: the
+  run's). `too_long`: what a longer training text becomes ("": the run's data.too_long;
+  "split" keeps all of a long review, in pieces)."""
   enabled: bool = False
   num_train_steps: int = 2000
   batch_size: int = 0
@@ -242,8 +246,10 @@ class PretrainOptions(_Options):
   dropout_rate: float = 0.1
   attention_dropout_rate: float = 0.1
   max_length: int = 0
+  too_long: str = ""
 
   def __post_init__(self) -> None:
+    check_choice("pretrain.", "too_long", self.too_long, ("", *TOO_LONG_POLICIES))
     for name, low in (("num_train_steps", 1), ("batch_size", 0), ("warmup_steps", 0),
                       ("vocab_size", 0), ("max_length", 0)):
       _integer("pretrain.", name, getattr(self, name), low)

@@ -43,6 +43,7 @@ class Featurizing(Protocol):
   def is_empty(self, example: Example) -> bool: ...
   def example_length(self, example: Example) -> int: ...
   def truncate(self, example: Example, length: int, keep: str = "head") -> Example: ...
+  def pieces(self, example: Example, length: int) -> list[Example]: ...
   def packing_lengths(self, length: int, max_per_row: int | None) -> dict[str, int]: ...
   def model_batch(self, packed: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]: ...
 
@@ -67,33 +68,53 @@ class _LengthLimitIterator(grain.DatasetIterator):
     super().__init__(parent)
     self._task, self._max_length, self._policy, self._keep = task, max_length, policy, keep
     self._counts = Counts()
+    # policy "split": the pieces of the example being split that are still to come, and
+    # the parent's state before that example (the resume point: it is read again).
+    self._pieces: list[Example] = []
+    self._split_from: dict | None = None
 
   def __next__(self) -> Example:
-    while True:
+    while not self._pieces:
+      before = self._parent.get_state() if self._policy == "split" else None
       example = next(self._parent)
       self._counts.examples += 1
       if self._task.is_empty(example):
         self._counts.empty += 1
         continue
-      if self._task.example_length(example) > self._max_length:
-        self._counts.too_long += 1
-        if self._policy == "drop":
-          continue
-        example = self._task.truncate(example, self._max_length, self._keep)
-      return {**example, _COUNTS: np.asarray(dataclasses.astuple(self._counts), np.int64)}
+      if self._task.example_length(example) <= self._max_length:
+        return self._counted(example)
+      self._counts.too_long += 1
+      if self._policy == "truncate":
+        return self._counted(self._task.truncate(example, self._max_length, self._keep))
+      if self._policy == "split":
+        self._pieces, self._split_from = self._task.pieces(example, self._max_length), before
+    return self._counted(self._pieces.pop(0))
+
+  def _counted(self, example: Example) -> Example:
+    return {**example, _COUNTS: np.asarray(dataclasses.astuple(self._counts), np.int64)}
 
   def get_state(self) -> dict:
-    return {"parent": self._parent.get_state(), "counts": dataclasses.asdict(self._counts)}
+    state = {"counts": dataclasses.asdict(self._counts)}
+    if self._pieces:    # mid-split: the example is read again and its first pieces skipped
+      return {**state, "parent": self._split_from, "pieces_left": len(self._pieces)}
+    return {**state, "parent": self._parent.get_state()}
 
   def set_state(self, state: dict) -> None:
     self._parent.set_state(state["parent"])
-    self._counts = Counts(**state["counts"])
+    self._counts = Counts(**state["counts"])   # already counts the example being split
+    self._pieces, self._split_from = [], None
+    if state.get("pieces_left"):
+      self._split_from = state["parent"]
+      example = next(self._parent)
+      pieces = self._task.pieces(example, self._max_length)
+      self._pieces = pieces[len(pieces) - state["pieces_left"]:]
 
 
 class _LengthLimit(grain.IterDataset):
-  """Drops empty examples and drops or truncates ones longer than `max_length`, and counts
-  each. Every example it passes carries the counts so far (key "counts"), which reach the
-  batch it is packed into; the iterator state carries them too, so they survive a resume."""
+  """Drops empty examples and drops, truncates or splits (into consecutive pieces of
+  `max_length` tokens: Task.pieces) ones longer than `max_length`, and counts each. Every
+  example it passes carries the counts so far (key "counts"), which reach the batch it is
+  packed into; the iterator state carries them too, so they survive a resume."""
 
   def __init__(self, parent: grain.IterDataset, task: Featurizing, max_length: int,
                policy: str, keep: str = "head"):

@@ -104,6 +104,9 @@ class Task(abc.ABC):
   carried_head_options: ClassVar[tuple[str, ...]] = ()
   pretraining: ClassVar[bool] = False
   needs_labels: ClassVar[bool] = False
+  # Whether an example can be cut into pieces along its tokens (data.too_long="split"):
+  # its sequence features share one token axis.
+  can_split: ClassVar[bool] = True
   has_target_text: ClassVar[bool] = False   # a target side with a tokenizer of its own
 
   def __init__(self, model_config: TransformerConfig, *, tokenizer: Any = None,
@@ -173,6 +176,13 @@ class Task(abc.ABC):
     Classification", found it best on IMDB)."""
     return {k: kept_tokens(v, length, keep) if k in self.sequence_keys else v
             for k, v in example.items()}
+
+  def pieces(self, example: Example, length: int) -> list[Example]:
+    """The example cut into consecutive pieces of `length` tokens (the last may be
+    shorter), each with the example's other features (a class label stays with each)."""
+    total = self.example_length(example)
+    return [{k: v[start:start + length] if k in self.sequence_keys else v
+             for k, v in example.items()} for start in range(0, total, length)]
 
   def packing_lengths(self, length: int, max_per_row: int | None) -> dict[str, int]:
     """Grain's packing `length_struct`: `length` slots per sequence feature."""

@@ -45,6 +45,7 @@ class Seq2SeqTask(Task):
   tokenizer_kinds = ("sentencepiece",)   # outputs are detokenized text
   model_inputs = 2
   has_target_text = True
+  can_split = False   # a source and its target cannot be cut at the same tokens
   serving_output = "token_ids"
   _OPTIONAL = ("src_positions", "tgt_positions", "src_segment_ids", "tgt_segment_ids")
 

@@ -36,7 +36,8 @@ def pretraining_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
   """The masked-LM run that pretrains the encoder of `run_config` (a classification or
   tagging run config, as a plain dict) on the text of its training split: the same
   encoder, data files and tokenizer settings; steps, batch, learning rate, masking rate,
-  vocabulary size, extra text, dropout and row length from its `pretrain` group."""
+  vocabulary size, extra text, dropout, row length and long-text policy from its `pretrain`
+  group."""
   config = copy.deepcopy(dict(run_config))
   pretrain = PretrainOptions.from_dict(config.get("pretrain"))
   architecture = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -51,6 +52,8 @@ def pretraining_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
     data["vocab_size"] = pretrain.vocab_size
   if pretrain.max_length:   # rows and evaluation at the stage's length
     data["max_length"] = data["eval_max_length"] = pretrain.max_length
+  if pretrain.too_long:
+    data["too_long"] = pretrain.too_long
   optimizer = {**config["optimizer"], "warmup_steps": pretrain.warmup_steps}
   if pretrain.learning_rate:
     optimizer["learning_rate"] = pretrain.learning_rate
