@@ -88,6 +88,7 @@ class _LengthLimitIterator(grain.DatasetIterator):
         return self._counted(self._task.truncate(example, self._max_length, self._keep))
       if self._policy == "split":
         self._pieces, self._split_from = self._task.pieces(example, self._max_length), before
+      # "drop": read on.
     return self._counted(self._pieces.pop(0))
 
   def _counted(self, example: Example) -> Example:
