@@ -226,6 +226,28 @@ def test_parameters_and_optimizer_state_are_sharded_as_the_rules_say():
   assert total / 4 <= per_device["tensor4"] < total / 3  # ~1/4 (norms replicate)
 
 
+def _collective_bytes_of_train_step(mesh, rows: int) -> int:
+  """Bytes that the compiled train step's collectives return per device and step."""
+  from transformer_jax.aot.hlo_cost import collective_bytes
+  abstract, state_sharding = sharding.abstract_sharded(_init_fn(None), mesh)
+  rows_sharding = sharding.batch_sharding(mesh)
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows_sharding)
+           for k, v in _batch(rows).items()}
+  step = make_train_step(TASK, OPTIMIZER, lambda s: 3e-3, 1, state_sharding, rows_sharding)
+  return sum(collective_bytes(step.lower(abstract, batch).compile().as_text()).values())
+
+
+@needs_8_devices
+def test_under_fsdp_the_step_gathers_weights_not_activations():
+  """With the parameters split along d_model over fsdp, the model keeps its layers' outputs
+  split over the batch (sharding.activations_split_over_batch), so the step moves
+  parameter-sized data whatever the batch. Left to the partitioner, this step moved 4x as
+  much at 4x the rows: it resharded the activations to match the weights."""
+  mesh = sharding.make_mesh(dict(fsdp=8))
+  small, large = (_collective_bytes_of_train_step(mesh, rows) for rows in (16, 64))
+  assert large < 1.25 * small
+
+
 @needs_8_devices
 def test_zero1_splits_the_optimizer_state_over_data_and_leaves_the_parameters_replicated():
   from configs import default

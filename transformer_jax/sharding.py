@@ -11,8 +11,10 @@ collectives, so the model code does not change with the layout.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import flax.linen as nn
 import jax
@@ -34,6 +36,37 @@ LOGICAL_AXIS_RULES = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
 )
+
+
+# The mesh over whose batch axes the model keeps its layers' outputs split while a step is
+# traced (`activations_split_over_batch`); None: no constraint.
+_ACTIVATION_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
+    "activation_mesh", default=None)
+
+
+@contextlib.contextmanager
+def activations_split_over_batch(mesh: Mesh | None) -> Iterator[None]:
+  """While a step is traced under it, `constrain_to_batch` keeps each layer's output split
+  over the batch axes and whole along d_model. Only where fsdp > 1: the parameters are then
+  split along d_model (`embed`) too, and left to itself the partitioner may move the
+  activations to match them instead of gathering the weights (XLA's TPU plan for big with
+  data=1, fsdp=4 all-gathered 19x the bf16 parameters a step; benchmarks/RESULTS.md).
+  Elsewhere propagation already keeps the batch split, and the program is left as it is."""
+  use = mesh if mesh is not None and mesh.shape["fsdp"] > 1 else None
+  token = _ACTIVATION_MESH.set(use)
+  try:
+    yield
+  finally:
+    _ACTIVATION_MESH.reset(token)
+
+
+def constrain_to_batch(x: jax.Array) -> jax.Array:
+  """`x` (batch, ...) split over the batch axes, whole along the rest, inside
+  `activations_split_over_batch`; unchanged outside it."""
+  mesh = _ACTIVATION_MESH.get()
+  if mesh is None or x.shape[0] % batch_ways(mesh):
+    return x
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(BATCH_AXES)))
 
 
 class MeshError(UserError):

@@ -22,7 +22,7 @@ from transformer_jax.modules.embedding import (
   token_embedding,
 )
 from transformer_jax.modules.layers import DecoderLayer, EncoderLayer, layer_norm
-from transformer_jax.sharding import partitioned
+from transformer_jax.sharding import constrain_to_batch, partitioned
 
 Array = jax.Array
 
@@ -50,7 +50,9 @@ def apply_layers(cfg: TransformerConfig, make_layer: Callable[[str], nn.Module],
   each layer in `nn.remat` (pass remat=False where no gradient is taken, e.g. decoding).
   """
   def body(layer: nn.Module, carry: Array, *xs: Any) -> tuple[Array, None]:
-    return layer(carry, *xs, **static_kwargs), None
+    return constrain_to_batch(layer(carry, *xs, **static_kwargs)), None
+
+  x = constrain_to_batch(x)
 
   if remat and cfg.remat_policy != "none":
     # Inside scan the loop already stops XLA from merging recomputation with the forward
