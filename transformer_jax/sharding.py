@@ -45,13 +45,15 @@ _ACTIVATION_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def activations_split_over_batch(mesh: Mesh | None) -> Iterator[None]:
+def activations_split_over_batch(rows: NamedSharding | None) -> Iterator[None]:
   """While a step is traced under it, `constrain_to_batch` keeps each layer's output split
   over the batch axes and whole along d_model. Only where fsdp > 1: the parameters are then
   split along d_model (`embed`) too, and left to itself the partitioner may move the
   activations to match them instead of gathering the weights (XLA's TPU plan for big with
   data=1, fsdp=4 all-gathered 19x the bf16 parameters a step; benchmarks/RESULTS.md).
-  Elsewhere propagation already keeps the batch split, and the program is left as it is."""
+  Elsewhere propagation already keeps the batch split, and the program is left as it is.
+  `rows`: the batch's sharding, as the steps take it (None: one device, no constraint)."""
+  mesh = rows.mesh if rows is not None and isinstance(rows.mesh, Mesh) else None
   use = mesh if mesh is not None and mesh.shape["fsdp"] > 1 else None
   token = _ACTIVATION_MESH.set(use)
   try:

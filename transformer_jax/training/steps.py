@@ -114,11 +114,9 @@ def make_train_step(task: Any, optimizer: optax.GradientTransformation,
                                            state_sharding.params, batch_sharding,
                                            split_gradients_over_data)
 
-  mesh = batch_sharding.mesh if batch_sharding is not None else None
-
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng = jax.random.fold_in(state.rng, state.step)
-    with sharding.activations_split_over_batch(mesh):
+    with sharding.activations_split_over_batch(batch_sharding):
       grads, sums = grads_and_sums(state.params, batch, rng)
     weight = jnp.maximum(sums["weight"], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
@@ -154,10 +152,8 @@ def make_train_step(task: Any, optimizer: optax.GradientTransformation,
 def make_eval_step(task: Any, params_sharding: Any = None,
                    batch_sharding: Any = None) -> Callable:
   """Returns jitted `(params, batch) -> sums` without dropout."""
-  mesh = batch_sharding.mesh if batch_sharding is not None else None
-
   def fn(params: Any, batch: dict) -> dict:
-    with sharding.activations_split_over_batch(mesh):
+    with sharding.activations_split_over_batch(batch_sharding):
       return task.loss_sums(params, batch, None, False)
   if params_sharding is None:
     return jax.jit(fn)
