@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax import sharding
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig
 
 # Shared with the flax-free serving loader; re-exported here, where decoding callers look.
@@ -111,6 +112,13 @@ def _ban_special(log_probs: Array) -> Array:
   return log_probs.at[:, jnp.array([PAD_ID, BOS_ID])].set(NEG_INF)
 
 
+def _split_rows(*arrays: Array) -> tuple[Array, ...]:
+  """The search's per-source state kept split over the batch inside
+  `sharding.activations_split_over_batch` (compiled_search under fsdp): each device then
+  ranks only its own rows' candidates, instead of gathering every row's scores each step."""
+  return tuple(sharding.constrain_to_batch(x) for x in arrays)
+
+
 def greedy_search(model: Transformer, params: Any, src: Array, max_length: int,
                   use_cache: bool = True) -> Array:
   """Greedy decoding: (B, S) source ids -> (B, max_length) output ids."""
@@ -127,11 +135,11 @@ def greedy_search(model: Transformer, params: Any, src: Array, max_length: int,
     log_probs = _ban_special(log_probs)
     token = jnp.where(finished, PAD_ID, jnp.argmax(log_probs, -1).astype(jnp.int32))
     output = output.at[:, i].set(token)
-    return i + 1, token, output, finished | (token == EOS_ID), carry
+    return (i + 1, *_split_rows(token, output, finished | (token == EOS_ID)), carry)
 
-  state = (jnp.array(0), jnp.full((batch,), BOS_ID, jnp.int32),
-           jnp.zeros((batch, max_length), jnp.int32), jnp.zeros((batch,), bool),
-           stepper.carry)
+  state = (jnp.array(0), *_split_rows(jnp.full((batch,), BOS_ID, jnp.int32),
+                                      jnp.zeros((batch, max_length), jnp.int32),
+                                      jnp.zeros((batch,), bool)), stepper.carry)
   return jax.lax.while_loop(cond, body, state)[2]
 
 
@@ -191,13 +199,14 @@ def beam_search(model: Transformer, params: Any, src: Array, max_length: int,
     seqs = jnp.concatenate([finished_seqs, top_seqs], axis=1)
     finished_scores, keep = jax.lax.top_k(scores, k)
     finished_seqs = jnp.take_along_axis(seqs, keep[:, :, None], axis=1)
-    return i + 1, alive_seqs, alive_logp, finished_seqs, finished_scores, last, carry
+    return (i + 1, *_split_rows(alive_seqs, alive_logp, finished_seqs, finished_scores, last),
+            carry)
 
   init_logp = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch, 1))
-  state = (jnp.array(0), jnp.zeros((batch, k, max_length), jnp.int32), init_logp,
-           jnp.zeros((batch, k, max_length), jnp.int32),
-           jnp.full((batch, k), NEG_INF, jnp.float32),
-           jnp.full((batch, k), BOS_ID, jnp.int32), stepper.carry)
+  state = (jnp.array(0), *_split_rows(jnp.zeros((batch, k, max_length), jnp.int32), init_logp,
+                                      jnp.zeros((batch, k, max_length), jnp.int32),
+                                      jnp.full((batch, k), NEG_INF, jnp.float32),
+                                      jnp.full((batch, k), BOS_ID, jnp.int32)), stepper.carry)
   _, alive_seqs, alive_logp, finished_seqs, finished_scores, _, _ = jax.lax.while_loop(
       cond, body, state)
 
@@ -210,11 +219,25 @@ def beam_search(model: Transformer, params: Any, src: Array, max_length: int,
 
 @functools.lru_cache(maxsize=64)
 def compiled_search(config: TransformerConfig, beam_size: int, alpha: float,
-                    max_length: int, use_cache: bool = True) -> Callable:
-  """jax.jit of `(params, src) -> outputs`: greedy for beam_size 1, else beam search."""
+                    max_length: int, use_cache: bool = True,
+                    rows: jax.sharding.NamedSharding | None = None) -> Callable:
+  """jax.jit of `(params, src) -> outputs`: greedy for beam_size 1, else beam search.
+  `rows`: the batch sharding of the mesh the parameters live on. The source rows are then
+  split over the batch axes, so each device decodes its share (a host array arrives
+  replicated, and every device decoded every row). Under fsdp every layer's output and the
+  search's state are kept split too, as in the train step
+  (sharding.activations_split_over_batch): left to itself the partitioner split the
+  matmuls along the fsdp-split d_model and all-reduced activations at every step."""
   model = Transformer(config)
-  return jax.jit(lambda params, src: search(model, params, src, max_length, beam_size, alpha,
-                                            use_cache))
+
+  def run(params: Any, src: Array) -> Array:
+    with sharding.activations_split_over_batch(rows):
+      out = search(model, params, sharding.split_over_batch(src, rows), max_length, beam_size,
+                   alpha, use_cache)
+    # Whole on every device, as the host array came in: each host reads all the outputs.
+    return out if rows is None else jax.lax.with_sharding_constraint(
+        out, sharding.replicated(rows.mesh))
+  return jax.jit(run)
 
 
 def search(model: Transformer, params: Any, src: Array, max_length: Any, beam_size: int = 4,
@@ -234,5 +257,6 @@ def generate(config: TransformerConfig, params: Any, src: Any, *, max_length: in
     raise ValueError(f"max_length={max_length} exceeds the model's max_len={config.max_len}")
   if beam_size < 1:
     raise ValueError(f"beam_size={beam_size}: must be >= 1")
-  fn = compiled_search(config, int(beam_size), float(alpha), int(max_length), bool(use_cache))
+  fn = compiled_search(config, int(beam_size), float(alpha), int(max_length), bool(use_cache),
+                       sharding.batch_sharding_of(params))
   return np.asarray(fn(params, jnp.asarray(src, jnp.int32)))

@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 from absl import logging
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer_jax.errors import UserError
@@ -66,9 +66,15 @@ def constrain_to_batch(x: jax.Array) -> jax.Array:
   """`x` (batch, ...) split over the batch axes, whole along the rest, inside
   `activations_split_over_batch`; unchanged outside it."""
   mesh = _ACTIVATION_MESH.get()
-  if mesh is None or x.shape[0] % batch_ways(mesh):
+  return x if mesh is None else split_over_batch(x, batch_sharding(mesh))
+
+
+def split_over_batch(x: jax.Array, rows: NamedSharding | None) -> jax.Array:
+  """`x` (batch, ...) constrained to `rows` (a `batch_sharding`) where its rows divide
+  evenly over the batch axes; unchanged otherwise or where `rows` is None."""
+  if rows is None or x.shape[0] % batch_ways(rows.mesh):
     return x
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(BATCH_AXES)))
+  return jax.lax.with_sharding_constraint(x, rows)
 
 
 class MeshError(UserError):
@@ -195,11 +201,21 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES))
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
+def batch_sharding_of(tree: Any) -> NamedSharding | None:
+  """`batch_sharding` of the mesh that `tree`'s arrays live on; None off a mesh (host
+  arrays, or arrays placed on one device)."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  placed = getattr(leaves[0], "sharding", None) if leaves else None
+  if isinstance(placed, NamedSharding) and isinstance(placed.mesh, Mesh):
+    return batch_sharding(placed.mesh)
+  return None
+
+
+def replicated(mesh: Mesh | AbstractMesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def batch_ways(mesh: Mesh) -> int:
+def batch_ways(mesh: Mesh | AbstractMesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
 
 

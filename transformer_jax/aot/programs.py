@@ -95,7 +95,8 @@ def build_programs(config: Any, mesh: jax.sharding.Mesh,
   """The jitted programs of a training run (train.py) with abstract, sharded arguments:
   the train step on a `batch_size` x `data.max_length` batch with the donated, sharded
   state; the eval step on the longest evaluation bucket; beam search as evaluation runs it
-  (parameters in their training layout, the source rows as a host array: replicated). All
+  (parameters in their training layout, the source rows as a host array: replicated, then
+  split over the batch axes inside the search; decoding.compiled_search). All
   three come from the run's Experiment, as in train.py."""
   options = RunOptions.parse(config)
   experiment = experiment_for(options, mesh)
@@ -126,7 +127,8 @@ def build_programs(config: Any, mesh: jax.sharding.Mesh,
   if "decode" in names:
     decode = experiment.decode
     max_length = min(eval_tgt + decode.max_extra_length, model_cfg.max_len)
-    fn = decoding.compiled_search(model_cfg, decode.beam_size, decode.alpha, max_length)
+    fn = decoding.compiled_search(model_cfg, decode.beam_size, decode.alpha, max_length,
+                                  rows=sharding.batch_sharding(mesh))
     src = jax.ShapeDtypeStruct((experiment.eval.batch_size, eval_src), jnp.int32,
                                sharding=sharding.replicated(mesh))
     programs.append(Program("decode", fn, (state.params, src), None, None))
