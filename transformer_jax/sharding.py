@@ -38,10 +38,10 @@ LOGICAL_AXIS_RULES = (
 )
 
 
-# The mesh over whose batch axes the model keeps its layers' outputs split while a step is
-# traced (`activations_split_over_batch`); None: no constraint.
-_ACTIVATION_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
-    "activation_mesh", default=None)
+# The batch sharding that the model keeps its layers' outputs in while a step is traced
+# (`activations_split_over_batch`); None: no constraint.
+_ACTIVATION_ROWS: contextvars.ContextVar[NamedSharding | None] = contextvars.ContextVar(
+    "activation_rows", default=None)
 
 
 @contextlib.contextmanager
@@ -53,20 +53,18 @@ def activations_split_over_batch(rows: NamedSharding | None) -> Iterator[None]:
   data=1, fsdp=4 all-gathered 19x the bf16 parameters a step; benchmarks/RESULTS.md).
   Elsewhere propagation already keeps the batch split, and the program is left as it is.
   `rows`: the batch's sharding, as the steps take it (None: one device, no constraint)."""
-  mesh = rows.mesh if rows is not None and isinstance(rows.mesh, Mesh) else None
-  use = mesh if mesh is not None and mesh.shape["fsdp"] > 1 else None
-  token = _ACTIVATION_MESH.set(use)
+  on_mesh = rows is not None and isinstance(rows.mesh, Mesh) and rows.mesh.shape["fsdp"] > 1
+  token = _ACTIVATION_ROWS.set(rows if on_mesh else None)
   try:
     yield
   finally:
-    _ACTIVATION_MESH.reset(token)
+    _ACTIVATION_ROWS.reset(token)
 
 
 def constrain_to_batch(x: jax.Array) -> jax.Array:
   """`x` (batch, ...) split over the batch axes, whole along the rest, inside
   `activations_split_over_batch`; unchanged outside it."""
-  mesh = _ACTIVATION_MESH.get()
-  return x if mesh is None else split_over_batch(x, batch_sharding(mesh))
+  return split_over_batch(x, _ACTIVATION_ROWS.get())
 
 
 def split_over_batch(x: jax.Array, rows: NamedSharding | None) -> jax.Array:
