@@ -98,7 +98,7 @@ def test_ci_runs_the_readme_test_command():
   """`.ci/run` runs exactly the test command the README gives a newcomer."""
   with open(os.path.join(ROOT, ".ci", "run")) as f:
     ci_command = [l.strip() for l in f if l.strip() and not l.startswith("#")][-1]
-  assert ci_command == "python -m pytest tests"
+  assert ci_command.startswith("python -m pytest") and ci_command.endswith(" tests")
   assert re.search(rf"^{re.escape(ci_command)}$", _read("README.md"), re.MULTILINE)
 
 
