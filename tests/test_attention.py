@@ -23,6 +23,7 @@ from conftest import (
 from transformer_jax import Transformer
 from transformer_jax.modules.attention import (
   MultiHeadAttention,
+  attend,
   attention_weights,
   causal_mask,
   combine_masks,
@@ -149,6 +150,57 @@ def test_einsum_and_xla_agree(mask_name):
   if mask is not None:
     unmasked = dot_product_attention(q, k, v, None, "einsum")
     assert not np.allclose(np.asarray(einsum), np.asarray(unmasked), atol=1e-3)
+
+
+def _normalized_first(q, k, v, mask):
+  """The textbook order: normalised weights, then their product with the values."""
+  return jnp.einsum("bnts,bsnh->btnh", attention_weights(q, k, mask), v)
+
+
+@pytest.mark.parametrize("mask_name", ["all", "causal", "none"])
+def test_normalizing_after_the_product_has_the_same_gradients(mask_name):
+  """`attend` divides the output by the row sums instead of the weights; its gradients
+  (autodiff through the other order) must be the textbook softmax's, fully masked rows
+  ("all": padding queries of segment 0) included."""
+  mask = _structured_masks()[mask_name]
+  q, k, v = (jnp.asarray(a) for a in _qkv(12, t=6, s=6))
+  cotangent = jnp.asarray(np.random.default_rng(13).normal(size=(B, 6, N, H)), jnp.float32)
+  def grads(fn):
+    return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, mask) * cotangent), (0, 1, 2))(q, k, v)
+  for got, want in zip(grads(attend), grads(_normalized_first)):
+    assert np.all(np.isfinite(np.asarray(got)))
+    assert_close(got, want)
+
+
+def test_normalizing_after_the_product_loses_no_precision_in_bfloat16():
+  """In bf16 compute both orders round the weights to bf16 for the product; `attend`
+  divides the float32 accumulation instead of rounding its output before, so it is at least
+  as close to the float64 reference."""
+  q, k, v = _qkv(14, t=64, s=64)
+  mask = _random_mask(15, t=64, s=64)
+  _, reference = reference_attention(q, k, v, mask)
+  q16, k16, v16 = (jnp.asarray(a, jnp.bfloat16) for a in (q, k, v))
+  def error(fn):
+    out = np.asarray(fn(q16, k16, v16, jnp.asarray(mask)).astype(jnp.float32))
+    return np.abs(out - reference).mean()
+  assert error(attend) <= 1.01 * error(_normalized_first)
+
+
+def test_attention_dropout_drops_the_same_weights_in_both_orders():
+  """With attention dropout the module takes `attend` unless the weights are being sown; the
+  same rng must drop the same weights in both (dropout acts on the normalised weights)."""
+  cfg = tiny_config(attention_impl="einsum", attention_dropout_rate=0.5)
+  x = jnp.asarray(np.random.default_rng(16).normal(size=(2, 5, 32)), jnp.float32)
+  mask = jnp.asarray(_random_mask(17, t=5, s=5))
+  module = MultiHeadAttention(cfg, "self")
+  variables = init(module, x, None, mask)
+  rngs = {"dropout": jax.random.PRNGKey(3)}
+  fused = module.apply(variables, x, None, mask, train=True, rngs=rngs)
+  explicit, _ = module.apply(variables, x, None, mask, train=True, rngs=rngs,
+                             mutable=["intermediates"])
+  assert_close(fused, explicit)
+  assert not np.allclose(np.asarray(fused), np.asarray(module.apply(variables, x, None, mask)),
+                         atol=1e-3)   # the dropout did drop something
 
 
 @requires_gpu

@@ -54,14 +54,72 @@ def combine_masks(*masks: Array | None) -> Array | None:
 
 
 # ------------------------------------------------------------------- dot-product attention
-def attention_weights(query: Array, key: Array, mask: Array | None) -> Array:
-  """softmax(Q K^T / sqrt(d_k)) with masked logits: (B,T,N,H),(B,S,N,H) -> (B,N,T,S)."""
+def _masked_logits(query: Array, key: Array, mask: Array | None) -> Array:
+  """Q K^T / sqrt(d_k) in the compute dtype, masked keys at its lowest value, as float32:
+  the softmax's exponentials and sums are where bf16 would lose precision."""
   depth = query.shape[-1]
   logits = jnp.einsum("btnh,bsnh->bnts", query, key) / jnp.sqrt(depth).astype(query.dtype)
   if mask is not None:
     logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
-  # Softmax in float32 even under bf16 compute: its sums are where precision is lost.
-  return jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(query.dtype)
+  return logits.astype(jnp.float32)
+
+
+def attention_weights(query: Array, key: Array, mask: Array | None) -> Array:
+  """softmax(Q K^T / sqrt(d_k)) with masked logits: (B,T,N,H),(B,S,N,H) -> (B,N,T,S)."""
+  return jax.nn.softmax(_masked_logits(query, key, mask), axis=-1).astype(query.dtype)
+
+
+def attend(query: Array, key: Array, value: Array, mask: Array | None,
+           dropout: Callable[[Array], Array] | None = None) -> Array:
+  """softmax(Q K^T / sqrt(d_k)) V with the normalisation moved after the weighted sum, as
+  flash attention does: exp(logits - max) goes into the product unnormalised, and the
+  (B, T, N, H) output, not the (B, N, T, S) weights, is divided by the row sums. That saves a
+  pass over the weights forward, and backward the softmax's row reduction over the
+  (B, N, T, S) gradient becomes one over the output's H (XLA's TPU cost model: see
+  benchmarks/RESULTS.md). Same precision as `attention_weights`: exponentials and sums in
+  float32, the weights rounded to the compute dtype for the product, which accumulates in
+  float32 before the division. `dropout` acts on the weights, as dropout(softmax) does."""
+  logits = _masked_logits(query, key, mask)
+  # The row max only keeps exp() in range; the softmax does not depend on it.
+  unnormalized = jnp.exp(logits - jax.lax.stop_gradient(logits.max(-1, keepdims=True)))
+  row_sums = unnormalized.sum(-1)                                          # (B, N, T)
+  if dropout is not None:
+    unnormalized = dropout(unnormalized)
+  products = jnp.einsum("bnts,bsnh->btnh", unnormalized.astype(query.dtype), value,
+                        preferred_element_type=jnp.float32)
+  return _divide_by_row_sums(products, row_sums, query.dtype)
+
+
+def _per_query(row_sums: Array) -> Array:
+  return jnp.swapaxes(row_sums, 1, 2)[..., None]                       # (B, T, N, 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _divide_by_row_sums(products: Array, row_sums: Array, dtype: jnp.dtype) -> Array:
+  """(B, T, N, H) float32 products / (B, N, T) row sums, rounded to `dtype`. Its own VJP
+  keeps the rounded output for the backward pass, not the float32 products (autodiff would
+  keep those: 2x the bytes under bf16)."""
+  return (products / _per_query(row_sums)).astype(dtype)
+
+
+def _divide_forward(products: Array, row_sums: Array,
+                    dtype: jnp.dtype) -> tuple[Array, tuple[Array, Array]]:
+  out = _divide_by_row_sums(products, row_sums, dtype)
+  return out, (out, row_sums)
+
+
+def _divide_backward(dtype: jnp.dtype, residuals: tuple[Array, Array],
+                     grad: Array) -> tuple[Array, Array]:
+  del dtype
+  out, row_sums = residuals
+  grad = grad.astype(jnp.float32)
+  # d(p / l)/dl = -(p / l) / l: the output's row dot product with its gradient (flash
+  # attention's D), over H, instead of a reduction over the (B, N, T, S) weights.
+  d_row_sums = -jnp.swapaxes((grad * out.astype(jnp.float32)).sum(-1), 1, 2) / row_sums
+  return grad / _per_query(row_sums), d_row_sums
+
+
+_divide_by_row_sums.defvjp(_divide_forward, _divide_backward)
 
 
 def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | None,
@@ -74,8 +132,7 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | 
   ...); elsewhere it falls back to "xla" with a warning naming the reason.
   """
   if implementation == "einsum":
-    weights = attention_weights(query, key, mask)
-    return jnp.einsum("bnts,bsnh->btnh", weights, value)
+    return attend(query, key, value, mask)
   if mask is not None:
     mask = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
   if implementation == "cudnn":
@@ -161,12 +218,14 @@ class MultiHeadAttention(nn.Module):
       if decode:
         key, value, mask = self._append_to_cache(key, value, mask)
 
-    use_weights = cfg.attention_impl == "einsum" or (train and cfg.attention_dropout_rate > 0)
-    if use_weights:
+    explicit = cfg.attention_impl == "einsum" or (train and cfg.attention_dropout_rate > 0)
+    dropout = nn.Dropout(cfg.attention_dropout_rate, deterministic=not train)
+    if explicit and self.is_mutable_collection("intermediates"):   # attention maps
       weights = attention_weights(query, key, mask)
       self.sow("intermediates", "attention_weights", weights)
-      weights = nn.Dropout(cfg.attention_dropout_rate, deterministic=not train)(weights)
-      out = jnp.einsum("bnts,bsnh->btnh", weights, value)
+      out = jnp.einsum("bnts,bsnh->btnh", dropout(weights), value)
+    elif explicit:
+      out = attend(query, key, value, mask, dropout)
     else:
       out = dot_product_attention(query, key, value, mask, cfg.attention_impl)
 
