@@ -47,7 +47,7 @@ def get_config(big: bool = False) -> ml_collections.ConfigDict:
   # cost model puts the big model's bf16 step on v5p-8 at 42.1 -> 41.2 ms and 7.6 -> 5.9
   # GiB per chip (benchmarks/RESULTS.md). In float32 the two agree up to rounding.
   config.model.attention_impl = "einsum"
-  # Self-attention's query, key and value from one (d_model, 3 x d_model) matmul: the same
+  # Self-attention's query, key and value from one (d_model, 3, heads, d_k) kernel: the same
   # model (params.split_qkv converts), one larger matmul for the MXU; XLA's estimate for a
   # 1+1-layer big step on v5p-8: 10.16 -> 9.90 ms (benchmarks/RESULTS.md).
   config.model.fused_qkv = True

@@ -112,11 +112,11 @@ def _divide_backward(dtype: jnp.dtype, residuals: tuple[Array, Array],
                      grad: Array) -> tuple[Array, Array]:
   del dtype
   out, row_sums = residuals
-  grad = grad.astype(jnp.float32)
+  d_products = grad.astype(jnp.float32) / _per_query(row_sums)
   # d(p / l)/dl = -(p / l) / l: the output's row dot product with its gradient (flash
   # attention's D), over H, instead of a reduction over the (B, N, T, S) weights.
-  d_row_sums = -jnp.swapaxes((grad * out.astype(jnp.float32)).sum(-1), 1, 2) / row_sums
-  return grad / _per_query(row_sums), d_row_sums
+  d_row_sums = -jnp.swapaxes((d_products * out.astype(jnp.float32)).sum(-1), 1, 2)
+  return d_products, d_row_sums
 
 
 _divide_by_row_sums.defvjp(_divide_forward, _divide_backward)
@@ -126,7 +126,7 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | 
                           implementation: str = "xla") -> Array:
   """Attention output (B, T, N, H).
 
-  "einsum" is the explicit path of `attention_weights`; "xla" and "cudnn" go through
+  "einsum" is the explicit path, `attend`; "xla" and "cudnn" go through
   `jax.nn.dot_product_attention`. "cudnn" (cuDNN flash attention) runs where the backend is
   an NVIDIA GPU and cuDNN accepts the dtype and shapes (bf16/fp16, head dim a multiple of 8,
   ...); elsewhere it falls back to "xla" with a warning naming the reason.
