@@ -20,6 +20,12 @@ GPU_SPECS = pathlib.Path(__file__).parent / "gpu_specs"
 # JAX's GPU allocator takes this fraction of the device's memory unless
 # XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise (JAX's "GPU memory allocation" docs).
 JAX_GPU_MEMORY_FRACTION = 0.75
+# The memory the compile-only GPU compiler is told the device has. Told the real figure, XLA
+# rematerializes a step that exceeds it until it fits; on a real H200 (jax 0.11.2) the same
+# step was not rematerialized and ran out of memory at the batch such a plan had promised
+# (benchmarks/RESULTS.md, "GPU: measured on one H200"). So the compiler is told a memory no
+# program reaches, and the plan judges what the step needs as written.
+UNREACHED_GPU_MEMORY_BYTES = 2 ** 50
 
 
 class UsageError(UserError):
@@ -96,19 +102,21 @@ def gpu_topology(name: str, flag: str = "--target") -> Topology:
     raise UsageError(f"{flag}={name!r}: compiling for NVIDIA GPUs needs XLA's CUDA compiler "
                      "plugin; install it with: pip install -r requirements-gpu.txt")
   spec = (GPU_SPECS / f"{kind}.txtpb").read_text()
-  from jax.experimental import topologies
-  hosts, per_host = (1, gpus) if gpus <= 8 else (gpus // 8, 8)
-  try:
-    devices = topologies.get_topology_desc(topology_name="", platform="cuda",
-                                           target_config=spec,
-                                           topology=f"1x{hosts}x{per_host}").devices
-  except Exception as e:
-    raise UsageError(f"{flag}={name!r}: the CUDA plugin cannot describe it ({_first_line(e)}); "
-                     "is requirements-gpu.txt installed at the versions it names?") from None
   found = re.search(r"device_memory_size: (\d+)", spec)
   if found is None:
     raise UsageError(f"{flag}={name!r}: its target description names no device_memory_size")
   memory = int(found.group(1))
+  compiled_spec = spec.replace(found.group(0),
+                               f"device_memory_size: {UNREACHED_GPU_MEMORY_BYTES}")
+  from jax.experimental import topologies
+  hosts, per_host = (1, gpus) if gpus <= 8 else (gpus // 8, 8)
+  try:
+    devices = topologies.get_topology_desc(topology_name="", platform="cuda",
+                                           target_config=compiled_spec,
+                                           topology=f"1x{hosts}x{per_host}").devices
+  except Exception as e:
+    raise UsageError(f"{flag}={name!r}: the CUDA plugin cannot describe it ({_first_line(e)}); "
+                     "is requirements-gpu.txt installed at the versions it names?") from None
   fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_GPU_MEMORY_FRACTION))
   chip = dataclasses.replace(_checked(chip, devices, name, flag),
                              hbm_gib=memory * fraction / GiB)
