@@ -36,7 +36,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from absl import flags
 
@@ -49,6 +49,13 @@ flags.DEFINE_string("target", "h100-sxm", "aot target kind of this GPU (h100-sxm
 flags.DEFINE_list("only", ["train_step", "torch", "decode", "aot_plan"], "Measurements to take "
                   "(also: multi30k, serve).")
 flags.DEFINE_list("models", ["base", "big"], "WMT14 models of train_step, torch, decode, aot_plan.")
+flags.DEFINE_list("attentions", ["einsum", "cudnn", "xla"], "attention_impl values of the "
+                  "train steps (cudnn is skipped without a GPU).")
+flags.DEFINE_list("largest_batch", [], "MODEL=ROWS: the largest batch per device, from an aot "
+                  "plan made beforehand on a CPU machine (`aot --target=<target>:1 "
+                  "--find_max_batch`), instead of searching on the GPU (7 compiles a model).")
+flags.DEFINE_list("batches", ["paper", "largest"], "Batches of train_step: the paper's rows, "
+                  "the largest that fits.")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of the multi30k trainings.")
 flags.DEFINE_string("runs", "gpu_runs", "Folder of the multi30k workdirs and exports.")
 flags.DEFINE_string("multi30k_dir", "../shared/data/multi30k", "Multi30k's files (the config's "
@@ -68,19 +75,25 @@ TINY_MULTI30K = ["--config.num_train_steps=4", "--config.eval_every_steps=4",
 PAPER_ROWS = {"base": 96, "big": 96}      # configs/wmt14_ende_*.py: ~25k + 25k tokens a step
 
 
-def _run(args: list[str]) -> dict[str, Any]:
+def _run(args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
   """One project module with --json: its JSON (last stdout line), or why there is none."""
-  return _run_command([sys.executable, "-m", *args, "--json"])
+  return _run_command([sys.executable, "-m", *args, "--json"], env=env)
 
 
-def _run_command(command: list[str], parse_json: bool = True) -> dict[str, Any]:
+def _run_command(command: list[str], parse_json: bool = True,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:
   start = time.perf_counter()
   try:
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=FLAGS.timeout_s)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=FLAGS.timeout_s,
+                          env={**os.environ, **(env or {})})
   except subprocess.TimeoutExpired:
     return {"command": " ".join(command[1:]), "error": f"timed out after {FLAGS.timeout_s} s"}
   entry: dict[str, Any] = {"command": " ".join(command[1:]), "status": proc.returncode,
                            "wall_s": round(time.perf_counter() - start, 1)}
+  # attention_impl='cudnn' falls back to 'xla' with a warning: say so beside the number.
+  fallbacks = sorted({line.strip() for line in proc.stderr.splitlines() if "falls back" in line})
+  if fallbacks:
+    entry["fallbacks"] = fallbacks
   if not parse_json:
     if proc.returncode:
       entry["error"] = "\n".join(proc.stderr.strip().splitlines()[-5:])
@@ -143,8 +156,11 @@ def _models() -> list[tuple[str, list[str]]]:
                "--packed"]) for m in FLAGS.models]
 
 
-def _largest_batch(config_flag: str, devices: int) -> int | None:
+def _largest_batch(name: str, config_flag: str, devices: int) -> int | None:
   """The largest global batch of one device's train step that aot plans to fit."""
+  given = dict(item.split("=", 1) for item in FLAGS.largest_batch)
+  if name in given:
+    return int(given[name]) * devices
   plan = _run(["transformer_jax.aot", config_flag, f"--target={FLAGS.target}:1",
                "--config.model.dtype=bfloat16", "--programs=train_step", "--find_max_batch",
                "--batch_tolerance=0.05"])
@@ -152,29 +168,31 @@ def _largest_batch(config_flag: str, devices: int) -> int | None:
   return batch * devices if batch else None
 
 
-def measure() -> dict[str, Any]:
+def measure(save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
   import jax
   out: dict[str, Any] = {
       "date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
       "devices": jax.device_count(), "jax": jax.__version__, "tiny": FLAGS.tiny,
       "note": "measurements on this device, except aot_plan (the plan, an estimate)"}
   gpu = jax.devices()[0].platform == "gpu"
-  attentions = ["cudnn", "xla"] if gpu else ["xla"]
+  attentions = [a for a in FLAGS.attentions if gpu or a != "cudnn"]
   runs: list[dict[str, Any]] = []
+  out["runs"] = runs
   for name, model in _models():
     if not {"train_step", "torch", "decode", "aot_plan"} & set(FLAGS.only):
       break
     batches = {"paper": 8 if FLAGS.tiny else PAPER_ROWS[name]}
-    if "train_step" in FLAGS.only and not FLAGS.tiny:
-      largest = _largest_batch(model[0], jax.device_count())
+    if "train_step" in FLAGS.only and "largest" in FLAGS.batches and not FLAGS.tiny:
+      largest = _largest_batch(name, model[0], jax.device_count())
       if largest:
         batches["largest"] = largest
     for label, rows in batches.items():
       step = ["benchmarks.train_step", *model, "--dtype=bfloat16", f"--batch_size={rows}"]
-      if "train_step" in FLAGS.only:
+      if "train_step" in FLAGS.only and label in FLAGS.batches:
         for attention in attentions:
           runs.append({"measurement": "train_step", "model": name, "batch": label,
                        "attention": attention, **_run([*step, f"--attention={attention}"])})
+          save(out)
       if "aot_plan" in FLAGS.only:
         runs.append({"measurement": "aot_plan", "model": name, "batch": label,
                      **_run(["transformer_jax.aot", model[0], f"--target={FLAGS.target}:1",
@@ -182,19 +200,26 @@ def measure() -> dict[str, Any]:
                              f"--config.batch_size={rows}"])})
     if "torch" in FLAGS.only and name in ("base", "tiny"):
       runs.append({"measurement": "torch", "model": name, "batch": "paper",
-                   **_run(["benchmarks.train_step", *model, "--dtype=bfloat16",
-                           f"--batch_size={batches['paper']}", "--compare=torch"])})
+                   # Full rows: torch.nn.Transformer takes no segment ids (no --packed).
+                   **_run(["benchmarks.train_step", *[f for f in model if f != "--packed"],
+                           "--dtype=bfloat16",
+                           f"--batch_size={batches['paper']}", "--compare=torch"],
+                          # JAX would take 75% of the GPU before torch asks for any.
+                          env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})})
+      save(out)
     if "decode" in FLAGS.only:
       runs.append({"measurement": "decode", "model": name,
                    **_run(["benchmarks.decode", model[0]]
                           + (["--max_length=8"] if FLAGS.tiny else []))})
+      save(out)
   if "multi30k" in FLAGS.only:
-    runs.extend(_multi30k(seed) for seed in FLAGS.seeds)
+    for seed in FLAGS.seeds:
+      runs.append(_multi30k(seed))
+      save(out)
   if "serve" in FLAGS.only:
     runs.extend(_serve(FLAGS.seeds[0]))
   if not gpu:
     out["skipped"] = "attention_impl=cudnn: needs a GPU"
-  out["runs"] = runs
   return out
 
 
@@ -207,9 +232,12 @@ def main(argv: list[str]) -> None:
   if not all(seed.isdigit() for seed in FLAGS.seeds):
     raise errors.UserError(f"--seeds={','.join(FLAGS.seeds)}: non-negative integers, e.g. 0,1,2")
   os.makedirs(FLAGS.runs, exist_ok=True)
-  result = measure()
-  with open(FLAGS.output, "w") as f:
-    json.dump(result, f, indent=1, default=str)
+
+  def save(result: dict[str, Any]) -> None:   # after each command: a call cut short keeps them
+    with open(FLAGS.output, "w") as f:
+      json.dump(result, f, indent=1, default=str)
+  result = measure(save)
+  save(result)
   failed = [r.get("command", r["measurement"]) for r in result["runs"] if "error" in r]
   print(f"{len(result['runs'])} commands, {len(failed)} failed; wrote {FLAGS.output}")
   for command in failed:
