@@ -229,6 +229,12 @@ def main(argv: list[str]) -> None:
     raise errors.UserError(f"--only: unknown {sorted(unknown)}; choose from {MEASUREMENTS}")
   if set(FLAGS.models) - {"base", "big"}:
     raise errors.UserError(f"--models={','.join(FLAGS.models)}: choose from base, big")
+  if set(FLAGS.batches) - {"paper", "largest"}:
+    raise errors.UserError(f"--batches={','.join(FLAGS.batches)}: choose from paper, largest")
+  for item in FLAGS.largest_batch:
+    model, _, rows = item.partition("=")
+    if model not in ("base", "big") or not rows.isdigit() or int(rows) < 1:
+      raise errors.UserError(f"--largest_batch: {item!r} is not MODEL=ROWS, e.g. base=933")
   if not all(seed.isdigit() for seed in FLAGS.seeds):
     raise errors.UserError(f"--seeds={','.join(FLAGS.seeds)}: non-negative integers, e.g. 0,1,2")
   os.makedirs(FLAGS.runs, exist_ok=True)

@@ -210,6 +210,8 @@ def test_command_lines_report_user_errors_in_one_line(tmp_path):
            ("benchmarks.serve_load", f"--model={tmp_path}"): "--inputs",
            ("benchmarks.gpu_measurements", f"--output={tmp_path}/m.json",
             f"--runs={tmp_path}/runs", "--seeds=0,x"): "--seeds=0,x",
+           ("benchmarks.gpu_measurements", f"--output={tmp_path}/m.json",
+            f"--runs={tmp_path}/runs", "--largest_batch=base=x"): "base=x",
            ("benchmarks.ctranslate2_speed", f"--checkpoint={tmp_path}",
             f"--inputs={missing}"): f"--inputs={missing}"}
   for (module, *args), culprit in cases.items():
