@@ -211,6 +211,26 @@ def test_find_max_batch_bisects_where_memory_flattens_above_hbm(monkeypatch):
   assert len(compiled) <= 8, compiled
 
 
+def test_find_max_batch_probes_just_above_a_guess_that_fits(monkeypatch):
+  """Without compiling, memory linear in the batch (the base step on one H200 as planned:
+  11.51 GiB at 96 rows, 104.04 at 933): the interpolated guess lands just under the limit,
+  and one compile a tolerance step above it ends the search (it bisected 4 more times)."""
+  compiled = []
+
+  def fake_compile(options, topology, mesh):
+    rows = options.train.batch_size
+    compiled.append(rows)
+    gib = 11.51 + (rows - 96) * (104.04 - 11.51) / (933 - 96)
+    return types.SimpleNamespace(total_bytes=int(gib * 2**30), argument_bytes=int(0.71 * 2**30),
+                                 fits=gib <= 105.8, compile_s=0.0)
+
+  monkeypatch.setattr(plan, "compile_train_step", fake_compile)
+  topo = targets.with_hbm(targets.tpu_topology("v5p:2x2x1"), 105.8)
+  mesh = sharding.make_mesh(dict(data=1), topo.devices[:1])
+  batch, _ = plan.find_max_batch(tiny_config(96), topo, mesh, tolerance=0.05)
+  assert 0.95 * 948 <= batch <= 948 and len(compiled) <= 5, compiled
+
+
 def test_layouts_are_every_factorisation():
   assert sorted(plan.layouts(4)) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1),
                                     (4, 1, 1)]

@@ -48,16 +48,23 @@ def find_max_batch(config: Any, topology: Topology,
   lo, hi = 0, None                  # lo fits (0: nothing known to), hi does not fit
   k = max(1, run.batch_size // unit)
   bracketed = 0                     # compiles since both ends were known
+  interpolated = False              # k came from interpolation (not a bisection or probe)
   while True:
     if total(k) <= hbm:
       lo = k
     else:
       hi = k
     bracketed += lo > 0 and hi is not None
-    if hi is not None and hi - lo <= max(1, int(tolerance * lo)):
+    close = max(1, int(tolerance * lo))
+    if hi is not None and hi - lo <= close:
       break
     if hi == 1:
       break
+    if interpolated and lo == k and (hi is None or lo + close < hi):
+      # An interpolated guess fit: where memory is close to linear the limit lies just
+      # above it, and one compile `close` higher ends the search if it does not fit.
+      k, interpolated = lo + close, False
+      continue
     points = sorted(x for x in (lo, hi) if x)
     if len(points) == 2:            # Interpolate between the bracket's ends.
       a, b = points
@@ -71,6 +78,7 @@ def find_max_batch(config: Any, topology: Topology,
     if hi is None:                  # No upper end yet: at least double (memory is not quite
       lower = max(lower, 2 * lo)    # linear, so interpolation alone creeps up in small steps).
     guess = min(max(guess, lower), upper)
+    interpolated = False
     if guess in (lo, hi) or (hi is not None and guess in (lower, upper) and hi - lo > 2):
       guess = (lo + hi) // 2 if hi is not None else guess    # Interpolation stalls: bisect.
     elif hi is not None and bracketed > 1:
@@ -78,6 +86,8 @@ def find_max_batch(config: Any, topology: Topology,
       # fit, memory flattens just above HBM, and interpolating creeps a few rows a compile
       # (big on 8xH100: 3072, 2968, 2896, 2824...).
       guess = (lo + hi) // 2
+    else:
+      interpolated = hi is not None
     k = guess
   return lo * unit, results
 
