@@ -27,9 +27,9 @@ def find_max_batch(config: Any, topology: Topology,
                    ) -> tuple[int, dict[int, CompileReport]]:
   """The largest global batch (rows of data.max_length) whose train step fits, by compiling:
   from the run's batch, guesses interpolated from the reported memory (close to linear in
-  the batch) find a bracket [fits, does not fit]; one more interpolated guess, then
-  bisection, narrow it until the two ends are one step apart (or within `tolerance` of the
-  smaller).
+  the batch) find a bracket [fits, does not fit]; one more interpolated guess (and, if it
+  fits, a probe just above it), then bisection, narrow it until the two ends are one step
+  apart (or within `tolerance` of the smaller).
   Steps are multiples of data*fsdp*grad_accum_steps. Returns (batch, {batch: report});
   batch 0 when not even one step's worth fits."""
   run = run_settings(config)
