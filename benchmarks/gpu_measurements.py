@@ -3,12 +3,14 @@ commands, each as a subprocess with --json, with the device, date and versions.
 
   python -m benchmarks.gpu_measurements --output=gpu_measurements.json [--target=h100-sxm]
       [--only=train_step,torch,decode,aot_plan,multi30k,serve] [--models=base,big]
+      [--attentions=einsum,cudnn,xla] [--batches=paper,largest] [--largest_batch=base=948]
       [--seeds=0,1,2] [--runs=gpu_runs] [--timeout_s=540]
   python -m benchmarks.gpu_measurements --tiny --output=/tmp/m.json   # CPU: tiny shapes
 
 - train_step: train-step MFU of WMT14 base and big, bf16, packed 256-token rows, with
-  attention_impl cudnn and xla, at the paper's batch and at the largest batch per device
-  that `aot --find_max_batch` plans for the target (benchmarks/train_step.py);
+  attention_impl einsum, cudnn and xla, at the paper's batch and at the largest batch per
+  device that `aot --find_max_batch` plans for the target (or --largest_batch, planned
+  beforehand on a CPU machine) (benchmarks/train_step.py);
 - torch: the same base step side by side with PyTorch, eager and torch.compile
   (benchmarks/train_step.py --compare=torch);
 - decode: beam-search and greedy decoding throughput (benchmarks/decode.py);
@@ -65,6 +67,7 @@ flags.DEFINE_integer("timeout_s", 540, "Limit per command (a lent GPU allows 10 
 FLAGS = flags.FLAGS
 
 MEASUREMENTS = ("train_step", "torch", "decode", "aot_plan", "multi30k", "serve")
+ATTENTIONS = ("einsum", "cudnn", "xla")
 # --tiny: the Multi30k recipe at a size that trains in seconds on a CPU.
 TINY_MULTI30K = ["--config.num_train_steps=4", "--config.eval_every_steps=4",
                  "--config.checkpoint_every_steps=4", "--config.average_checkpoints=0",
@@ -156,11 +159,22 @@ def _models() -> list[tuple[str, list[str]]]:
                "--packed"]) for m in FLAGS.models]
 
 
+def _given_largest_batches() -> dict[str, int]:
+  """--largest_batch as {model: rows per device}."""
+  given = {}
+  for item in FLAGS.largest_batch:
+    model, _, rows = item.partition("=")
+    if model not in ("base", "big") or not rows.isdigit() or int(rows) < 1:
+      raise errors.UserError(f"--largest_batch: {item!r} is not MODEL=ROWS, e.g. base=933")
+    given[model] = int(rows)
+  return given
+
+
 def _largest_batch(name: str, config_flag: str, devices: int) -> int | None:
   """The largest global batch of one device's train step that aot plans to fit."""
-  given = dict(item.split("=", 1) for item in FLAGS.largest_batch)
+  given = _given_largest_batches()
   if name in given:
-    return int(given[name]) * devices
+    return given[name] * devices
   plan = _run(["transformer_jax.aot", config_flag, f"--target={FLAGS.target}:1",
                "--config.model.dtype=bfloat16", "--programs=train_step", "--find_max_batch",
                "--batch_tolerance=0.05"])
@@ -231,10 +245,10 @@ def main(argv: list[str]) -> None:
     raise errors.UserError(f"--models={','.join(FLAGS.models)}: choose from base, big")
   if set(FLAGS.batches) - {"paper", "largest"}:
     raise errors.UserError(f"--batches={','.join(FLAGS.batches)}: choose from paper, largest")
-  for item in FLAGS.largest_batch:
-    model, _, rows = item.partition("=")
-    if model not in ("base", "big") or not rows.isdigit() or int(rows) < 1:
-      raise errors.UserError(f"--largest_batch: {item!r} is not MODEL=ROWS, e.g. base=933")
+  if set(FLAGS.attentions) - set(ATTENTIONS):
+    raise errors.UserError(f"--attentions={','.join(FLAGS.attentions)}: choose from "
+                           f"{', '.join(ATTENTIONS)}")
+  _given_largest_batches()      # checked before the first command
   if not all(seed.isdigit() for seed in FLAGS.seeds):
     raise errors.UserError(f"--seeds={','.join(FLAGS.seeds)}: non-negative integers, e.g. 0,1,2")
   os.makedirs(FLAGS.runs, exist_ok=True)

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import types
+from typing import Callable
 
 import pytest
 
@@ -188,25 +189,37 @@ def test_collectives_are_counted_per_call_by_kind_and_element_type():
   assert hlo_cost.op_breakdown(unknown).unknown_loops == 1
   assert hlo_cost.op_breakdown(_HLO).unknown_loops == 0
 
+def _search_without_compiling(monkeypatch, gib_at: Callable[[int], float], state_gib: float,
+                              limit_gib: float, topology: str, data: int,
+                              tolerance: float) -> tuple[int, list[int]]:
+  """find_max_batch over a memory curve `gib_at(rows)` instead of compiles: (batch, the
+  batches it compiled)."""
+  compiled: list[int] = []
+
+  def fake_compile(options, topo, mesh):
+    rows = options.train.batch_size
+    compiled.append(rows)
+    gib = gib_at(rows)
+    return types.SimpleNamespace(total_bytes=int(gib * 2**30),
+                                 argument_bytes=int(state_gib * 2**30),
+                                 fits=gib <= limit_gib, compile_s=0.0)
+
+  monkeypatch.setattr(plan, "compile_train_step", fake_compile)
+  topo = targets.with_hbm(targets.tpu_topology(topology), limit_gib)
+  mesh = sharding.make_mesh(dict(data=data), topo.devices[:data])
+  batch, _ = plan.find_max_batch(tiny_config(96), topo, mesh, tolerance=tolerance)
+  return batch, compiled
+
+
 def test_find_max_batch_bisects_where_memory_flattens_above_hbm(monkeypatch):
   """Without compiling, memory shaped as big's on 8xH100 (benchmarks/RESULTS.md): linear in
   the batch up to HBM (59.33 GiB at about 2,355 rows), then flat just above it, where XLA
   rematerializes to fit (60.06 GiB at 2,760 rows, 60.76 at 3,072). Interpolating from the
   bracket's far end crept down 40-80 rows a compile (25 compiles); the search bisects."""
-  compiled = []
-
-  def fake_compile(options, topology, mesh):
-    rows = options.train.batch_size
-    compiled.append(rows)
-    gib = (5.1 + (rows - 96) * 0.024 if rows <= 2355
-           else max(59.4, 60.0 + (rows - 2760) * 0.0012))
-    return types.SimpleNamespace(total_bytes=int(gib * 2**30), argument_bytes=int(2.39 * 2**30),
-                                 fits=gib <= 59.33, compile_s=0.0)
-
-  monkeypatch.setattr(plan, "compile_train_step", fake_compile)
-  topo = targets.with_hbm(targets.tpu_topology("v5p:2x2x2"), 59.33)
-  mesh = sharding.make_mesh(dict(data=8), topo.devices)
-  batch, _ = plan.find_max_batch(tiny_config(96), topo, mesh, tolerance=0.1)
+  batch, compiled = _search_without_compiling(
+      monkeypatch, lambda rows: (5.1 + (rows - 96) * 0.024 if rows <= 2355
+                                 else max(59.4, 60.0 + (rows - 2760) * 0.0012)),
+      state_gib=2.39, limit_gib=59.33, topology="v5p:2x2x2", data=8, tolerance=0.1)
   assert 0.9 * 2352 <= batch <= 2352      # within the tolerance of the largest that fits
   assert len(compiled) <= 8, compiled
 
@@ -215,19 +228,9 @@ def test_find_max_batch_probes_just_above_a_guess_that_fits(monkeypatch):
   """Without compiling, memory linear in the batch (the base step on one H200 as planned:
   11.51 GiB at 96 rows, 104.04 at 933): the interpolated guess lands just under the limit,
   and one compile a tolerance step above it ends the search (it bisected 4 more times)."""
-  compiled = []
-
-  def fake_compile(options, topology, mesh):
-    rows = options.train.batch_size
-    compiled.append(rows)
-    gib = 11.51 + (rows - 96) * (104.04 - 11.51) / (933 - 96)
-    return types.SimpleNamespace(total_bytes=int(gib * 2**30), argument_bytes=int(0.71 * 2**30),
-                                 fits=gib <= 105.8, compile_s=0.0)
-
-  monkeypatch.setattr(plan, "compile_train_step", fake_compile)
-  topo = targets.with_hbm(targets.tpu_topology("v5p:2x2x1"), 105.8)
-  mesh = sharding.make_mesh(dict(data=1), topo.devices[:1])
-  batch, _ = plan.find_max_batch(tiny_config(96), topo, mesh, tolerance=0.05)
+  batch, compiled = _search_without_compiling(
+      monkeypatch, lambda rows: 11.51 + (rows - 96) * (104.04 - 11.51) / (933 - 96),
+      state_gib=0.71, limit_gib=105.8, topology="v5p:2x2x1", data=1, tolerance=0.05)
   assert 0.95 * 948 <= batch <= 948 and len(compiled) <= 5, compiled
 
 

@@ -22,13 +22,17 @@ needs_plugin = pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _compile_tiny_step(target: str, batch_size: int, **mesh: int) -> report.CompileReport:
+  from tests.test_aot import tiny_config
+  topo = targets.describe(target, "--target")
+  m = sharding.make_mesh(dict(mesh), topo.devices)
+  (program,) = programs.build_programs(tiny_config(batch_size), m, ("train_step",))
+  return report.compile_program(program, topo, m)
+
+
 @functools.lru_cache(maxsize=None)
 def _train_step(**mesh: int) -> report.CompileReport:
-  from tests.test_aot import tiny_config
-  topo = targets.describe("h100-sxm:8", "--target")
-  m = sharding.make_mesh(dict(mesh), topo.devices)
-  (program,) = programs.build_programs(tiny_config(64), m, ("train_step",))
-  return report.compile_program(program, topo, m)
+  return _compile_tiny_step("h100-sxm:8", 64, **mesh)
 
 
 @needs_plugin
@@ -52,25 +56,17 @@ def test_train_step_compiles_for_h100_under_data_and_fsdp():
   assert fsdp.argument_bytes < data.argument_bytes
 
 
-def _tiny_step_on_one_h100(batch_size: int) -> report.CompileReport:
-  from tests.test_aot import tiny_config
-  topo = targets.describe("h100-sxm:1", "--target")
-  m = sharding.make_mesh(dict(data=1), topo.devices)
-  (program,) = programs.build_programs(tiny_config(batch_size), m, ("train_step",))
-  return report.compile_program(program, topo, m)
-
-
 @needs_plugin
 def test_the_plan_is_the_step_as_written_whatever_memory_the_target_names(tmp_path,
                                                                           monkeypatch):
   # Told a small memory, XLA's compile-only compiler rematerializes until the step fits; a
   # real H200 did not and ran out of memory at the batch such a plan promised (RESULTS.md).
-  described = _tiny_step_on_one_h100(512)
+  described = _compile_tiny_step("h100-sxm:1", 512, data=1)
   spec = (targets.GPU_SPECS / "h100-sxm.txtpb").read_text()
   (tmp_path / "h100-sxm.txtpb").write_text(
       re.sub(r"device_memory_size: \d+", "device_memory_size: 1048576", spec))
   monkeypatch.setattr(targets, "GPU_SPECS", tmp_path)
-  tight = _tiny_step_on_one_h100(512)
+  tight = _compile_tiny_step("h100-sxm:1", 512, data=1)   # uncached: a new description
   assert tight.total_bytes == described.total_bytes
   assert described.fits and not tight.fits   # judged against the memory the target names
 

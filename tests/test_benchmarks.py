@@ -212,6 +212,8 @@ def test_command_lines_report_user_errors_in_one_line(tmp_path):
             f"--runs={tmp_path}/runs", "--seeds=0,x"): "--seeds=0,x",
            ("benchmarks.gpu_measurements", f"--output={tmp_path}/m.json",
             f"--runs={tmp_path}/runs", "--largest_batch=base=x"): "base=x",
+           ("benchmarks.gpu_measurements", f"--output={tmp_path}/m.json",
+            f"--runs={tmp_path}/runs", "--attentions=flash"): "--attentions=flash",
            ("benchmarks.ctranslate2_speed", f"--checkpoint={tmp_path}",
             f"--inputs={missing}"): f"--inputs={missing}"}
   for (module, *args), culprit in cases.items():
