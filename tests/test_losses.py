@@ -5,11 +5,6 @@ the pieces the train step and loop (tests/test_training.py) are built from.
 from __future__ import annotations
 
 import math
-import os
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +20,7 @@ from transformer_jax.options import OptimizerOptions
 from transformer_jax.tasks.losses import cross_entropy_sums, smoothed_targets, smoothing_entropy
 from transformer_jax.training.optimizers import make_optimizer, make_schedule, paper_schedule
 
-jax.config.update("jax_default_matmul_precision", "highest")
+# conftest.py puts the repository on sys.path and sets jax_default_matmul_precision=highest.
 
 
 # ------------------------------------------------------------------------------ loss

@@ -14,10 +14,6 @@ import glob
 import json
 import math
 import os
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +35,7 @@ from transformer_jax.training.optimizers import make_optimizer
 from transformer_jax.training.state import create_train_state
 from transformer_jax.training.steps import make_train_step
 
-jax.config.update("jax_default_matmul_precision", "highest")
+# conftest.py puts the repository on sys.path and sets jax_default_matmul_precision=highest.
 
 
 # ------------------------------------------------------------------------ train step
