@@ -43,7 +43,8 @@ flags.DEFINE_integer("vocab_size", None, "Vocabulary (default: config.data.vocab
                      "the synthetic task's).")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype (parameters stay "
                   "float32).")
-flags.DEFINE_enum("attention", None, ["xla", "cudnn", "einsum"], "Attention implementation.")
+flags.DEFINE_enum("attention", None, ["einsum", "xla", "cudnn", "splash", "auto"],
+                  "Attention implementation (model.attention_impl).")
 flags.DEFINE_bool("scan", None, "nn.scan over layers (model.scan_layers).")
 flags.DEFINE_enum("remat", None, ["none", *REMAT_POLICIES], "Remat policy.")
 flags.DEFINE_bool("fused_qkv", None, "Fused query/key/value projection.")
@@ -65,6 +66,7 @@ class Setup:
   """The resolved benchmark problem."""
   config: Any                  # the ml_collections config (optimizer, label smoothing, ...)
   model: TransformerConfig
+  head: dict[str, Any]         # the translation task's options of the model group
   batch_size: int
   src_length: int
   tgt_length: int
@@ -93,12 +95,15 @@ def setup() -> Setup:
     if not value:
       raise UserError(f"the config gives no {name}; pass --{name}")
   values["vocab_size"] = vocab_size
-  model = TransformerConfig.from_dict(values)
+  from transformer_jax.tasks import Seq2SeqTask, split_model_fields
+  fields, head = split_model_fields(Seq2SeqTask, values)
+  model = TransformerConfig.from_dict(fields)
   longest = max(src_length, tgt_length)
   if longest > model.max_len:
     raise UserError(f"sequence length {longest} exceeds model.max_len={model.max_len}; "
                     "pass --config.model.max_len")
-  return Setup(config, model, FLAGS.batch_size or config.batch_size, src_length, tgt_length)
+  return Setup(config, model, head, FLAGS.batch_size or config.batch_size, src_length,
+               tgt_length)
 
 
 # ---------------------------------------------------------------------------------- data

@@ -1,18 +1,21 @@
-"""Every GPU measurement of issue 26 in one run, written to one JSON file: the project's own
-commands, each as a subprocess with --json, with the device, date and versions.
+"""The GPU measurements in one run, written to one JSON file after every command: the
+project's own commands, each as a subprocess with --json, with the device, date and versions.
 
   python -m benchmarks.gpu_measurements --output=gpu_measurements.json [--target=h100-sxm]
-      [--only=train_step,torch,decode,aot_plan,multi30k,serve] [--models=base,big]
-      [--attentions=einsum,cudnn,xla] [--batches=paper,largest] [--largest_batch=base=948]
-      [--seeds=0,1,2] [--runs=gpu_runs] [--timeout_s=540]
+      [--only=variants,torch,train_step,decode,aot_plan,multi30k,serve] [--models=base,big]
+      [--attentions=auto,einsum,cudnn,xla] [--batches=paper,largest] [--largest_batch=base=948]
+      [--seeds=0,1,2] [--runs=gpu_runs] [--timeout_s=540] [--budget_s=0]
   python -m benchmarks.gpu_measurements --tiny --output=/tmp/m.json   # CPU: tiny shapes
 
-- train_step: train-step MFU of WMT14 base and big, bf16, packed 256-token rows, with
-  attention_impl einsum, cudnn and xla, at the paper's batch and at the largest batch per
-  device that `aot --find_max_batch` plans for the target (or --largest_batch, planned
-  beforehand on a CPU machine) (benchmarks/train_step.py);
-- torch: the same base step side by side with PyTorch, eager and torch.compile
-  (benchmarks/train_step.py --compare=torch);
+- variants: the train step of WMT14 base (and big), bf16, 96 packed rows of 256 + 256, one
+  lever changed at a time against attention_impl=auto: the attention path, dropout off,
+  the PRNG that draws dropout's bits, XLA's GPU options and the loss over tiles of the
+  targets (STEP_VARIANTS below);
+- train_step: the same step with each of --attentions, at the paper's batch and at the
+  largest batch per device that `aot --find_max_batch` plans for the target (or
+  --largest_batch, planned beforehand on a CPU machine) (benchmarks/train_step.py);
+- torch: the base step unpacked, side by side with PyTorch, eager and torch.compile, in one
+  process in turns (benchmarks/train_step.py --compare=torch, attention auto);
 - decode: beam-search and greedy decoding throughput (benchmarks/decode.py);
 - aot_plan: what `python -m transformer_jax.aot --target=<target>:1` plans for each measured
   train step (memory per device, roofline), to set beside the measurement;
@@ -23,10 +26,10 @@ commands, each as a subprocess with --json, with the device, date and versions.
   500 val lines) and the StableHLO server's requests/s, p50 and p99 with 8 clients
   (benchmarks/serve_load.py).
 A command that fails is recorded with its status and the tail of its stderr; the rest go on.
-A lent GPU runs one command for at most 10 minutes: split the work with --only and --models
-(docs/gpu.md lists the calls).
---tiny runs the same commands on the default config with tiny shapes (and skips cuDNN
-attention without a GPU), to check the script on a CPU.
+--budget_s: no command starts once the run has taken that long (the most important go
+first), so that a call with a hard time limit ends with its results written.
+--tiny runs the same commands on the default config with tiny shapes (and skips the GPU
+kernels without a GPU), to check the script on a CPU.
 """
 
 from __future__ import annotations
@@ -48,11 +51,11 @@ from transformer_jax import checkpoint, errors
 flags.DEFINE_string("output", None, "Where to write the JSON.", required=True)
 flags.DEFINE_string("target", "h100-sxm", "aot target kind of this GPU (h100-sxm, h200, "
                     "a100-80gb) for the largest batch and the plan check.")
-flags.DEFINE_list("only", ["train_step", "torch", "decode", "aot_plan"], "Measurements to take "
-                  "(also: multi30k, serve).")
+flags.DEFINE_list("only", ["variants", "torch"], "Measurements to take (also: train_step, "
+                  "decode, aot_plan, multi30k, serve).")
 flags.DEFINE_list("models", ["base", "big"], "WMT14 models of train_step, torch, decode, aot_plan.")
-flags.DEFINE_list("attentions", ["einsum", "cudnn", "xla"], "attention_impl values of the "
-                  "train steps (cudnn is skipped without a GPU).")
+flags.DEFINE_list("attentions", ["auto", "einsum"], "attention_impl values of train_step "
+                  "(cudnn is skipped without a GPU).")
 flags.DEFINE_list("largest_batch", [], "MODEL=ROWS: the largest batch per device, from an aot "
                   "plan made beforehand on a CPU machine (`aot --target=<target>:1 "
                   "--find_max_batch`), instead of searching on the GPU (7 compiles a model).")
@@ -63,11 +66,30 @@ flags.DEFINE_string("runs", "gpu_runs", "Folder of the multi30k workdirs and exp
 flags.DEFINE_string("multi30k_dir", "../shared/data/multi30k", "Multi30k's files (the config's "
                     "data.dir).")
 flags.DEFINE_bool("tiny", False, "Tiny shapes on the default config (a check on a CPU).")
-flags.DEFINE_integer("timeout_s", 540, "Limit per command (a lent GPU allows 10 min a command).")
+flags.DEFINE_integer("timeout_s", 540, "Limit per command (seconds).")
+flags.DEFINE_integer("budget_s", 0, "Start no command once the run has taken this long "
+                     "(seconds; 0: no limit).", lower_bound=0)
 FLAGS = flags.FLAGS
 
-MEASUREMENTS = ("train_step", "torch", "decode", "aot_plan", "multi30k", "serve")
-ATTENTIONS = ("einsum", "cudnn", "xla")
+MEASUREMENTS = ("variants", "train_step", "torch", "decode", "aot_plan", "multi30k", "serve")
+ATTENTIONS = ("auto", "einsum", "xla", "cudnn", "splash")
+# One lever at a time against the step with attention_impl=auto: (name, model, train_step
+# arguments, environment). In order of importance: a call cut short keeps the first ones.
+STEP_VARIANTS = [
+    ("auto", "base", [], {}),
+    ("auto", "big", [], {}),
+    ("einsum attention", "base", ["--attention=einsum"], {}),
+    ("loss over 8 tiles", "base", ["--config.model.loss_tiles=8"], {}),
+    ("no dropout", "base", ["--config.model.dropout_rate=0.0"], {}),
+    ("dropout bits from rbg", "base", [], {"JAX_DEFAULT_PRNG_IMPL": "rbg"}),
+    ("dropout bits from unsafe_rbg", "base", [], {"JAX_DEFAULT_PRNG_IMPL": "unsafe_rbg"}),
+    ("cuDNN layer norm", "base", [], {"XLA_FLAGS": "--xla_gpu_enable_cudnn_layer_norm=true"}),
+    ("no Triton GEMM", "base", [], {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}),
+    ("no command buffers", "base", [], {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}),
+    ("einsum attention", "big", ["--attention=einsum"], {}),
+    ("loss over 8 tiles", "big", ["--config.model.loss_tiles=8"], {}),
+    ("no dropout", "big", ["--config.model.dropout_rate=0.0"], {}),
+]
 # --tiny: the Multi30k recipe at a size that trains in seconds on a CPU.
 TINY_MULTI30K = ["--config.num_train_steps=4", "--config.eval_every_steps=4",
                  "--config.checkpoint_every_steps=4", "--config.average_checkpoints=0",
@@ -83,15 +105,25 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
   return _run_command([sys.executable, "-m", *args, "--json"], env=env)
 
 
+_STARTED = time.perf_counter()
+
+
 def _run_command(command: list[str], parse_json: bool = True,
                  env: dict[str, str] | None = None) -> dict[str, Any]:
   start = time.perf_counter()
+  timeout = FLAGS.timeout_s
+  if FLAGS.budget_s:
+    left = FLAGS.budget_s - (start - _STARTED)
+    if left <= 0:
+      return {"command": " ".join(command[1:]), "skipped": f"--budget_s={FLAGS.budget_s} spent"}
+    timeout = min(timeout, max(30, int(left)))
   try:
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=FLAGS.timeout_s,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env=_environment(env))
   except subprocess.TimeoutExpired:
-    return {"command": " ".join(command[1:]), "error": f"timed out after {FLAGS.timeout_s} s"}
+    return {"command": " ".join(command[1:]), "error": f"timed out after {timeout} s"}
   entry: dict[str, Any] = {"command": " ".join(command[1:]), "status": proc.returncode,
+                           **({"env": env} if env else {}),
                            "wall_s": round(time.perf_counter() - start, 1)}
   # attention_impl='cudnn' falls back to 'xla' with a warning: say so beside the number.
   fallbacks = sorted({line.strip() for line in proc.stderr.splitlines() if "falls back" in line})
@@ -107,6 +139,32 @@ def _run_command(command: list[str], parse_json: bool = True,
   except (IndexError, json.JSONDecodeError):
     entry["error"] = "\n".join(proc.stderr.strip().splitlines()[-5:])
   return entry
+
+
+def _environment(extra: dict[str, str] | None) -> dict[str, str]:
+  """This process's environment with `extra`; XLA_FLAGS are added to those already set."""
+  env = {**os.environ, **(extra or {})}
+  if extra and "XLA_FLAGS" in extra and os.environ.get("XLA_FLAGS"):
+    env["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {extra['XLA_FLAGS']}"
+  return env
+
+
+def _variants(runs: list[dict[str, Any]], save: Callable[[], None]) -> None:
+  """Appends STEP_VARIANTS of the models asked for to `runs`, saving after each (--tiny:
+  each on the tiny model)."""
+  models = dict(_models())
+  for name, model, args, env in STEP_VARIANTS:
+    # --tiny: the default config, whose model group has no loss_tiles (a WMT14 option).
+    if FLAGS.tiny and (model != "base" or any("loss_tiles" in a for a in args)):
+      continue
+    flags_of = models["tiny"] if FLAGS.tiny else models.get(model)
+    if flags_of is None:
+      continue
+    rows = 8 if FLAGS.tiny else PAPER_ROWS[model]
+    runs.append({"measurement": "variant", "variant": name, "model": model, "batch": rows,
+                 **_run(["benchmarks.train_step", *flags_of, "--dtype=bfloat16",
+                         "--attention=auto", f"--batch_size={rows}", *args], env=env)})
+    save()
 
 
 def _multi30k(seed: str) -> dict[str, Any]:
@@ -189,7 +247,7 @@ def measure(save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
       "devices": jax.device_count(), "jax": jax.__version__, "tiny": FLAGS.tiny,
       "note": "measurements on this device, except aot_plan (the plan, an estimate)"}
   gpu = jax.devices()[0].platform == "gpu"
-  attentions = [a for a in FLAGS.attentions if gpu or a != "cudnn"]
+  attentions = [a for a in FLAGS.attentions if gpu or a not in ("cudnn", "splash")]
   runs: list[dict[str, Any]] = []
   out["runs"] = runs
   for name, model in _models():
@@ -216,7 +274,7 @@ def measure(save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
       runs.append({"measurement": "torch", "model": name, "batch": "paper",
                    # Full rows: torch.nn.Transformer takes no segment ids (no --packed).
                    **_run(["benchmarks.train_step", *[f for f in model if f != "--packed"],
-                           "--dtype=bfloat16",
+                           "--dtype=bfloat16", "--attention=auto",
                            f"--batch_size={batches['paper']}", "--compare=torch"],
                           # JAX would take 75% of the GPU before torch asks for any.
                           env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})})
@@ -226,6 +284,8 @@ def measure(save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
                    **_run(["benchmarks.decode", model[0]]
                           + (["--max_length=8"] if FLAGS.tiny else []))})
       save(out)
+  if "variants" in FLAGS.only:   # after torch: the target against torch.compile comes first
+    _variants(runs, lambda: save(out))
   if "multi30k" in FLAGS.only:
     for seed in FLAGS.seeds:
       runs.append(_multi30k(seed))
@@ -233,7 +293,7 @@ def measure(save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
   if "serve" in FLAGS.only:
     runs.extend(_serve(FLAGS.seeds[0]))
   if not gpu:
-    out["skipped"] = "attention_impl=cudnn: needs a GPU"
+    out["skipped"] = "attention_impl=cudnn: needs a GPU (auto is the einsum path here)"
   return out
 
 
@@ -259,7 +319,9 @@ def main(argv: list[str]) -> None:
   result = measure(save)
   save(result)
   failed = [r.get("command", r["measurement"]) for r in result["runs"] if "error" in r]
-  print(f"{len(result['runs'])} commands, {len(failed)} failed; wrote {FLAGS.output}")
+  skipped = sum("skipped" in r for r in result["runs"])
+  print(f"{len(result['runs'])} commands, {len(failed)} failed, {skipped} skipped for time; "
+        f"wrote {FLAGS.output}")
   for command in failed:
     print(f"  failed: {command}")
 

@@ -2,14 +2,22 @@
 from concurrent clients, every answer checked against the artifact's own outputs.
 
   python -m benchmarks.serve_load --model=DIR --inputs=FILE [--requests=200] [--clients=8]
-      [--lines_per_request=1] [--max_batch=32] [--max_wait_ms=5] [--request_log=FILE] [--json]
+      [--lines_per_request=1] [--max_batch=32] [--max_wait_ms=5] [--request_log=FILE]
+      [--ready_timeout_s=120] [--json]
 
-Starts the server on 127.0.0.1 (a free port) as a subprocess, computes the expected output
-of every input line in this process with `Served` (the same artifact), sends untimed
-warm-up requests (one per request shape, so compilation is not timed), then `requests`
-POST /v1/predict from `clients` threads, each with `lines_per_request` lines of FILE in turn.
-Latency is per request, from sending to the parsed answer; requests/s is requests over the
-wall time of the timed loop. Loops are bounded in count and in time (--time_limit).
+Starts the server on 127.0.0.1 (a free port) as a subprocess (benchmarks/serve_process.py)
+and waits for its /healthz, computes the expected output of every input line in this
+process with `Served` (the same artifact), sends untimed warm-up requests (one per request
+shape, so compilation is not timed), then `requests` POST /v1/predict from `clients`
+threads, each with `lines_per_request` lines of FILE in turn. Latency is per request, from sending to the
+parsed answer; requests/s is requests over the wall time of the timed loop. Loops are
+bounded in count and in time (--time_limit).
+
+Two JAX processes share one GPU here: unless XLA_PYTHON_CLIENT_PREALLOCATE or
+XLA_PYTHON_CLIENT_MEM_FRACTION is set, both take GPU memory as they need it instead of 75%
+of it each at start. A server that exits, or is not ready within --ready_timeout_s, ends
+the run at once: one `error:` line, then the server's last output lines; status 2 when the
+server's own was 2 (its user error, e.g. a corrupted artifact), else 1.
 """
 
 from __future__ import annotations
@@ -20,19 +28,17 @@ import http.client
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 from urllib.parse import urlparse
 
 from absl import flags
 
+from benchmarks.serve_process import ServerFailed, share_gpu, start_server
 from transformer_jax import errors
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
 
 
@@ -51,12 +57,14 @@ def define_flags() -> None:
                      lower_bound=0.0)
   flags.DEFINE_string("request_log", None, "The server's per-request log (serve "
                       "--request_log); the timed requests are summarised from it.")
+  flags.DEFINE_float("ready_timeout_s", 120.0, "How long the server may take to load the "
+                     "model and answer /healthz.", lower_bound=0.0)
   flags.DEFINE_bool("json", False, "Print one JSON object instead of a line.")
 
 
-def _client(url: str) -> http.client.HTTPConnection:
+def _client(url: str, timeout: float = 120.0) -> http.client.HTTPConnection:
   parsed = urlparse(url)
-  return http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=120)
+  return http.client.HTTPConnection(str(parsed.hostname), parsed.port, timeout=timeout)
 
 
 def _post(connection: http.client.HTTPConnection, lines: Sequence[str]) -> tuple[int, Any]:
@@ -67,9 +75,11 @@ def _post(connection: http.client.HTTPConnection, lines: Sequence[str]) -> tuple
 
 
 def run_load(url: str, requests_lines: Sequence[Sequence[str]], expected: dict[str, str], *,
-             requests: int = 200, clients: int = 8, time_limit: float = 300.0) -> dict[str, Any]:
+             requests: int = 200, clients: int = 8, time_limit: float = 300.0,
+             alive: Callable[[], bool] = lambda: True) -> dict[str, Any]:
   """Sends `requests` requests (request i holds requests_lines[i % len]) from `clients`
-  threads, each on its own keep-alive connection; stops early past `time_limit` seconds.
+  threads, each on its own keep-alive connection; stops early past `time_limit` seconds,
+  or at a failed connection once `alive()` says the server is gone.
   Returns counts, wrong answers (an output differing from `expected[line]`), errors, and
   requests/s and latency percentiles in ms."""
   counter = iter(range(requests))
@@ -96,6 +106,8 @@ def run_load(url: str, requests_lines: Sequence[Sequence[str]], expected: dict[s
           with lock:
             errors.append(f"request {index}: {type(e).__name__}: {e}")
           connection.close()
+          if not alive():
+            return
           connection = _client(url)
           continue
         elapsed = time.perf_counter() - start
@@ -121,41 +133,6 @@ def run_load(url: str, requests_lines: Sequence[Sequence[str]], expected: dict[s
           "errors": errors[:10], "clients": clients, "wall_s": wall,
           "requests_per_s": len(latencies) / wall if wall else 0.0,
           "p50_ms": percentile(0.50), "p99_ms": percentile(0.99)}
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def start_server(model: str, max_batch: int, max_wait_ms: float, timeout: float = 300.0,
-                 extra_args: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
-  """serve.py on a free port of 127.0.0.1 (with `extra_args`); returns it once /healthz
-  answers."""
-  port = _free_port()
-  process = subprocess.Popen(
-      [sys.executable, "-m", "transformer_jax.serve", f"--model={model}", "--host=127.0.0.1",
-       f"--port={port}", f"--max_batch={max_batch}", f"--max_wait_ms={max_wait_ms}",
-       *extra_args],
-      cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True)
-  url = f"http://127.0.0.1:{port}"
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline and process.poll() is None:
-    try:
-      connection = _client(url)
-      connection.request("GET", "/healthz")
-      if connection.getresponse().status == 200:
-        return process, url
-    except OSError:
-      time.sleep(0.5)
-  process.kill()
-  output = process.communicate()[0]
-  if process.returncode == errors.EXIT_STATUS:      # the server's own one-line user error
-    raise errors.UserError("the server did not start: "
-                           + output.strip().splitlines()[-1].removeprefix("error: "))
-  raise RuntimeError(f"the server did not start: {output}")
 
 
 def _count_lines(path: str | None) -> int:
@@ -198,36 +175,77 @@ def _read_inputs(path: str) -> list[str]:
   return lines
 
 
+def _progress(message: str) -> None:
+  """A line on stderr, so that a long wait (loading, compiling) shows what it waits for."""
+  print(f"serve_load: {message}", file=sys.stderr, flush=True)
+
+
+def _expected(model: str, lines: list[str], inputs: str) -> dict[str, str]:
+  """Each input line's output from the artifact, computed in this process."""
+  from transformer_jax.serving import ArtifactError, Served, device
+  try:
+    served = Served.load(model)
+    return dict(zip(lines, served.predict(lines)))
+  except (ArtifactError, FileNotFoundError) as e:
+    raise errors.UserError(f"--model={model}: {e}") from e
+  except errors.UserError as e:       # a line the model cannot take ("input I", from 0)
+    raise errors.UserError(f"--inputs={inputs}: {e}") from e
+  except RuntimeError as e:           # beside the server, the GPU's memory ran out
+    problem = device.memory_error(e, f"--model={model} in serve_load")
+    if problem is None:
+      raise
+    raise problem from e
+
+
+def _fail(failure: ServerFailed) -> NoReturn:
+  """One `error:` line and the server's last lines; the server's own status 2 (its user
+  error) stays 2, anything else is a failure of the server under test: 1."""
+  sys.stdout.flush()
+  sys.stderr.write(f"error: {failure}\n")
+  sys.stderr.flush()
+  raise SystemExit(errors.EXIT_STATUS if failure.status == errors.EXIT_STATUS else 1)
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise errors.UserError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from transformer_jax.serving import ArtifactError, Served
   lines = _read_inputs(FLAGS.inputs)
-  try:
-    served = Served.load(FLAGS.model)
-  except (ArtifactError, FileNotFoundError) as e:
-    raise errors.UserError(f"--model={FLAGS.model}: {e}") from e
-  try:
-    expected = dict(zip(lines, served.predict(lines)))
-  except errors.UserError as e:       # a line the model cannot take ("input I", from 0)
-    raise errors.UserError(f"--inputs={FLAGS.inputs}: {e}") from e
   n = FLAGS.lines_per_request
   requests_lines = [[lines[(i + j) % len(lines)] for j in range(n)] for i in range(len(lines))]
   log_args = [f"--request_log={FLAGS.request_log}"] if FLAGS.request_log else []
-  process, url = start_server(FLAGS.model, FLAGS.max_batch, FLAGS.max_wait_ms,
-                              extra_args=log_args)
+  started = time.monotonic()
+  try:        # The server first: a broken artifact or GPU is reported before any work here.
+    server = start_server(FLAGS.model, FLAGS.max_batch, FLAGS.max_wait_ms,
+                          FLAGS.ready_timeout_s, extra_args=log_args)
+  except ServerFailed as e:
+    _fail(e)
+  _progress(f"server ready in {time.monotonic() - started:.1f} s on "
+            f"{server.health['device']} ({server.health['device_kind']})")
   try:
+    started = time.monotonic()
+    expected = _expected(FLAGS.model, lines, FLAGS.inputs)
+    server.check("while this process computed the expected outputs")
+    _progress(f"expected outputs of {len(lines)} lines in {time.monotonic() - started:.1f} s")
     # Warm-up, untimed: every request shape compiles once, alone and batched by 8 clients.
-    run_load(url, requests_lines, expected, requests=len(requests_lines), clients=1)
-    run_load(url, requests_lines, expected, requests=4 * len(requests_lines), clients=8)
+    started = time.monotonic()
+    alive = lambda: server.process.poll() is None     # noqa: E731
+    run_load(server.url, requests_lines, expected, requests=len(requests_lines), clients=1,
+             alive=alive)
+    run_load(server.url, requests_lines, expected, requests=4 * len(requests_lines), clients=8,
+             alive=alive)
+    server.check("during the warm-up")
+    _progress(f"warm-up in {time.monotonic() - started:.1f} s")
     logged = _count_lines(FLAGS.request_log)
-    report = run_load(url, requests_lines, expected, requests=FLAGS.requests,
-                      clients=FLAGS.clients, time_limit=FLAGS.time_limit)
+    report = run_load(server.url, requests_lines, expected, requests=FLAGS.requests,
+                      clients=FLAGS.clients, time_limit=FLAGS.time_limit, alive=alive)
+    server.check("during the timed requests")
     if FLAGS.request_log:
       report["where"] = where_the_time_went(FLAGS.request_log, logged)
+  except ServerFailed as e:
+    _fail(e)
   finally:
-    process.terminate()
-    process.wait(timeout=60)
+    server.stop()
+  report.update(device=server.health["device"], device_kind=server.health["device_kind"])
   report.update(date=datetime.date.today().isoformat(), machine=platform.platform(),
                 cpus=os.cpu_count(), lines_per_request=n, max_batch=FLAGS.max_batch,
                 max_wait_ms=FLAGS.max_wait_ms, model=FLAGS.model)
@@ -247,5 +265,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  share_gpu(os.environ)     # before this process (or the server) starts JAX
   define_flags()
   errors.run(main)

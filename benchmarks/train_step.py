@@ -43,7 +43,7 @@ FLAGS = flags.FLAGS
 def prepare_jax(s: common.Setup, batch: dict) -> tuple[dict[str, Any], Callable[[], None]]:
   """Compiles the trainer's step: (facts about it, a call that runs one step)."""
   cfg = s.config
-  task = Seq2SeqTask(s.model, label_smoothing=cfg.label_smoothing)
+  task = Seq2SeqTask(s.model, label_smoothing=cfg.label_smoothing, head=s.head)
   schedule = make_schedule(cfg.optimizer, s.model.d_model, cfg.num_train_steps)
   optimizer = make_optimizer(cfg.optimizer, schedule)
   params = jax.jit(lambda key: nn.meta.unbox(task.init_params(key)))(

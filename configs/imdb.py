@@ -14,8 +14,8 @@ Reviews are long (benchmarks/RESULTS.md, "IMDB"): rows hold data.max_length = 51
 here), and a longer review keeps its first quarter and its last three quarters
 (data.truncate="head_tail": openings and verdicts carry the sentiment); evaluation batches hold at most
 data.eval_batch_tokens tokens, so a bucket of long reviews is split into fewer rows.
-`predict` does not truncate: it refuses a review longer than model.max_len tokens, naming
-its line (cut such reviews first, e.g. to their first 128 and last 384 tokens).
+`predict` and the server cut a longer review the same way (and read `<br />` as spaces);
+--too_long=refuse refuses it instead, naming its line.
 
 From TFDS instead (prepared where there is internet: `tfds build imdb_reviews
 --file_format=array_record --data_dir=DIR`): --config.data.source=tfds

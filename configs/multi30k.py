@@ -18,7 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.task = "seq2seq"
   # ~11 epochs of packed batches: 40 min alone on the 2-core CPU (about 1.2 s a step).
-  # The recipe tuned on val (issue 30, benchmarks/RESULTS.md): the peak rate 2e-3 after 400
+  # The recipe tuned on val (benchmarks/RESULTS.md): the peak rate 2e-3 after 400
   # steps of warm-up gave seed 0 val BLEU 41.99 against 39.31 at 1e-3 after 800 (the earlier
   # recipe's test BLEU: 39.28 +/- 0.58 over seeds 0-2). With the length penalty below,
   # test BLEU 41.25 +/- 0.51 over seeds 0-2.

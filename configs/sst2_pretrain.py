@@ -2,10 +2,11 @@
 of SST-2's training phrases (no labels), with sst2's encoder, vocabulary settings and data.
 
   python train.py --config=configs/sst2_pretrain.py --workdir=workdirs/sst2_pretrain
-  python train.py --config=configs/sst2.py --config.pretrain.enabled=False \\
+  python train.py --config=configs/sst2.py \\
       --config.init_from=workdirs/sst2_pretrain/checkpoints/3000 --workdir=workdirs/sst2_ft
 
-`python train.py --config=configs/sst2.py` runs both stages in one command (docs/pretraining.md).
+`python train.py --config=configs/sst2.py --config.pretrain.enabled=True` runs both stages in
+one command (docs/pretraining.md); sst2 trains from scratch by default, its best recipe.
 The pretraining options are sst2's `pretrain` group; this file derives the stage's config
 from it (training/recipe.py `pretraining_config`).
 """

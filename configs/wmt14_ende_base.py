@@ -46,13 +46,18 @@ def get_config(big: bool = False) -> ml_collections.ConfigDict:
   # is still float32), where jax.nn.dot_product_attention stores it in float32: XLA's TPU
   # cost model puts the big model's bf16 step on v5p-8 at 42.1 -> 41.2 ms and 7.6 -> 5.9
   # GiB per chip (benchmarks/RESULTS.md). In float32 the two agree up to rounding.
-  # On an NVIDIA GPU, --config.model.attention_impl=cudnn is the faster choice: measured on
-  # an H200 at 96 rows, 12% shorter steps than einsum for base and big, a third less memory.
+  # On an NVIDIA GPU, cuDNN's attention fed a dense mask was already 12% faster than einsum
+  # on an H200 at 96 rows (benchmarks/RESULTS.md); --config.model.attention_impl=auto runs
+  # the fused kernels with native masks (cuDNN on GPUs, splash on TPUs; docs/gpu.md), the
+  # default once a GPU has measured them.
   config.model.attention_impl = "einsum"
   # Self-attention's query, key and value from one (d_model, 3, heads, d_k) kernel: the same
   # model (params.split_qkv converts), one larger matmul for the MXU; XLA's estimate for a
   # 1+1-layer big step on v5p-8: 10.16 -> 9.90 ms (benchmarks/RESULTS.md).
   config.model.fused_qkv = True
+  # The output layer and its loss over slices of the target positions, so that the
+  # (tokens, 37,000) logits are never held whole: --config.model.loss_tiles=8 (1: one pass).
+  config.model.loss_tiles = 1
 
   # Every chip on fsdp (ZeRO-3): parameters and Adam state split, weights gathered layer by
   # layer. XLA's TPU cost model, big at 96 rows in bf16: v5p-8 38.0 ms a step against 41.0

@@ -277,3 +277,30 @@ def test_top_ops_rank_the_step_by_xlas_own_estimates():
   assert any("layer_N" in t["op"] and "dot_general" in t["op"] for t in top)
   text = report.format_report("header", {"train_step": _v5p_train_step()})
   assert "estimates to take the most time" in text and "layer_N" in text
+
+
+def test_auto_attention_is_planned_as_splash_attention_for_tpu():
+  """attention_impl=auto traced for v5p is the splash kernel (a Mosaic custom call), with
+  no fallback to this CPU's path, and the step compiles and reports its memory."""
+  import warnings
+
+  from configs import wmt14_ende_base
+  topo = targets.tpu_topology("v5p:2x2x1")
+  mesh = sharding.make_mesh(dict(data=4), topo.devices)
+  config = wmt14_ende_base.get_config()   # packed rows: segment ids reach the kernel
+  config.batch_size, config.data.max_length, config.data.vocab_size = 8, 128, 512
+  config.mesh.update(data=4, fsdp=1)
+  config.model.update(num_encoder_layers=1, num_decoder_layers=1, d_model=128, d_ff=128,
+                      num_heads=2, attention_impl="auto")
+  (program,) = programs.build_programs(config, mesh, ("train_step",))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")      # a fallback warning fails the test
+    with targets.tracing_for(topo):
+      text = program.fn.lower(*program.args).as_text()
+    compiled = report.compile_program(program, topo, mesh)
+  assert text.count("tpu_custom_call") >= 3 * 2      # three attentions, forward and back
+  assert compiled.fits and compiled.total_bytes > 0
+  config.model.attention_impl = "einsum"      # the same step without the kernel
+  (program,) = programs.build_programs(config, mesh, ("train_step",))
+  with targets.tracing_for(topo):
+    assert "tpu_custom_call" not in program.fn.lower(*program.args).as_text()

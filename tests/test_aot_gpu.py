@@ -101,3 +101,49 @@ def test_cli_does_not_fit_on_gpu_says_why_and_cpu_runs_are_quiet():
                           "jnp.ones(2).block_until_ready()"],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
   assert quiet.returncode == 0 and quiet.stderr.strip() == "", quiet.stderr
+
+
+def _packed_wmt_step(topo: targets.Topology, attention_impl: str):
+  """A tiny WMT14-style step (packed rows: segment ids) on one GPU of `topo`."""
+  from configs import wmt14_ende_base
+  config = wmt14_ende_base.get_config()
+  config.batch_size, config.data.max_length, config.data.vocab_size = 8, 128, 512
+  config.model.update(num_encoder_layers=1, num_decoder_layers=1, d_model=128, d_ff=128,
+                      num_heads=2, attention_impl=attention_impl, dtype="bfloat16")
+  mesh = sharding.make_mesh(dict(data=1, fsdp=1), topo.devices)
+  (program,) = programs.build_programs(config, mesh, ("train_step",))
+  return program, mesh
+
+
+@needs_plugin
+def test_auto_attention_is_planned_as_cudnn_attention_for_h100():
+  """attention_impl=auto traced for an H100 is cuDNN's fused attention on packed rows, in
+  all three attentions forward and backward, with no fallback warning; it compiles here."""
+  import warnings
+  topo = targets.describe("h100-sxm:1", "--target")
+  program, mesh = _packed_wmt_step(topo, "auto")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with targets.tracing_for(topo):
+      text = program.fn.lower(*program.args).as_text()
+    compiled = report.compile_program(program, topo, mesh)
+  assert text.count("__cudnn$fmha") >= 3 * 2
+  assert compiled.fits and compiled.total_bytes > 0
+
+
+@needs_plugin
+def test_a_kernel_that_cannot_be_traced_for_the_target_is_refused_in_one_line(monkeypatch):
+  """Planning must not fall back to another program than the target runs."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+  from transformer_jax.modules.kernels import KernelError
+
+  def missing() -> int:
+    raise RuntimeError("cuDNN not found.")
+  monkeypatch.setattr(cudnn, "check_cudnn_version", missing)
+  topo = targets.describe("h100-sxm:1", "--target")
+  program, _ = _packed_wmt_step(topo, "cudnn")
+  with pytest.raises(KernelError, match=r"attention_impl='cudnn' cannot be traced for 'gpu'.*"
+                                        r"pip install -r requirements-gpu.txt"):
+    with targets.tracing_for(topo):
+      program.fn.lower(*program.args)

@@ -15,7 +15,7 @@ import pytest
 from conftest import tiny_config
 
 from transformer_jax import Transformer, errors
-from transformer_jax.config import BOS_ID, PAD_ID
+from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID
 from transformer_jax.flops import model_flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,6 +30,14 @@ def _run(module: str, *args: str, check: bool = True) -> subprocess.CompletedPro
                           capture_output=True, text=True, timeout=300)
   if check:
     assert result.returncode == 0, result.stderr[-3000:]
+  return result
+
+
+def _run_code(code: str, *args: str) -> subprocess.CompletedProcess:
+  """`python -c code *args` as _run runs a module."""
+  result = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+  assert result.returncode == 0, result.stderr[-3000:]
   return result
 
 
@@ -82,19 +90,44 @@ def test_the_shared_flax_wmt_harness_runs_our_step_beside_the_peer():
     assert np.log(64) - 0.05 < nll < 2 * np.log(64)
 
 
-def test_decode_json_reports_greedy_and_beam_with_and_without_cache():
-  out = _run("benchmarks.decode", *TINY, "--max_length=6", "--beam_size=3", "--json")
+# Runs benchmarks.decode as its command does, recording every search's output array (each
+# passes through output_tokens once, in the order (1, cache), (1, recompute), (beam, cache),
+# (beam, recompute)) into the file named by argv[1].
+_RECORD_DECODE_OUTPUTS = """
+import atexit, json, sys
+import numpy as np
+from benchmarks import decode
+from transformer_jax import errors
+path, outputs, count = sys.argv[1], [], decode.output_tokens
+def record(out):
+  outputs.append(np.asarray(out).tolist())
+  return count(out)
+decode.output_tokens = record
+atexit.register(lambda: json.dump(outputs, open(path, "w")))
+sys.argv = ["benchmarks.decode", *sys.argv[2:]]
+errors.run(decode.main)
+"""
+
+
+def test_decode_json_reports_greedy_and_beam_with_and_without_cache(tmp_path):
+  record = str(tmp_path / "outputs.json")
+  out = _run_code(_RECORD_DECODE_OUTPUTS, record, *TINY, "--max_length=6", "--beam_size=3",
+                  "--json")
   r = json.loads(out.stdout.strip().splitlines()[-1])
-  assert {(x["beam_size"], x["kv_cache"]) for x in r["runs"]} == {
-      (1, True), (1, False), (3, True), (3, False)}
+  assert [(x["beam_size"], x["kv_cache"]) for x in r["runs"]] == [
+      (1, True), (1, False), (3, True), (3, False)]
   for x in r["runs"]:
     assert x["sentences_per_sec"] > 0 and 0 < x["mean_output_length"] <= 6
     assert x["tokens_per_sec"] == pytest.approx(x["sentences_per_sec"]
                                                 * x["mean_output_length"])
-  # Same searches, so the same outputs: equal lengths with and without the cache.
-  for beam in (1, 3):
-    lengths = {x["mean_output_length"] for x in r["runs"] if x["beam_size"] == beam}
-    assert len(lengths) == 1
+  # Same searches, so the same outputs, token for token, with and without the cache.
+  greedy, greedy_recomputed, beam, beam_recomputed = (np.array(o) for o in
+                                                      json.load(open(record)))
+  assert greedy.shape == beam.shape == (3, 6)
+  np.testing.assert_array_equal(greedy, greedy_recomputed)
+  np.testing.assert_array_equal(beam, beam_recomputed)
+  for outputs in (greedy, beam):   # real searches: rows differ, tokens beyond the specials
+    assert len({tuple(row) for row in outputs}) > 1 and (outputs > EOS_ID).any()
   assert set(r["kv_cache_speedup"]) == {"beam_1", "beam_3"}
 
 
@@ -138,7 +171,8 @@ def test_bad_lengths_are_named():
 
 def test_packed_batches_are_well_formed():
   from benchmarks.common import Setup, count_tokens, random_batch
-  s = Setup(config=None, model=tiny_config(), batch_size=4, src_length=24, tgt_length=20)
+  s = Setup(config=None, model=tiny_config(), head={}, batch_size=4, src_length=24,
+            tgt_length=20)
   b = random_batch(s, seed=1, packed=True)
   for side, tokens in (("src", b["src"]), ("tgt", b["tgt_out"])):
     segments, positions = b[f"{side}_segment_ids"], b[f"{side}_positions"]

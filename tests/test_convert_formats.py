@@ -18,7 +18,7 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 
 from transformer_jax import convert, trees  # noqa: E402
-from transformer_jax.config import TransformerConfig  # noqa: E402
+from transformer_jax.config import PAD_ID, TransformerConfig  # noqa: E402
 from transformer_jax.data.tokenizer import SentencePieceTokenizer  # noqa: E402
 from transformer_jax.modules.models import Transformer  # noqa: E402
 
@@ -44,6 +44,18 @@ def test_torch_state_dict_round_trip_and_same_function(tmp_path):
     np.testing.assert_array_equal(value, trees.flatten(back)[path], err_msg=path)
   model = TorchTransformer(cfg, 0.0).eval()      # the layout is exactly its state_dict
   model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+  # The same function: torch.nn.Transformer with the converted state_dict computes our
+  # logits, on padded sources and targets of different lengths.
+  rng = np.random.default_rng(0)
+  src = rng.integers(4, cfg.vocab_size, (3, 7)).astype(np.int32)
+  tgt = rng.integers(4, cfg.vocab_size, (3, 5)).astype(np.int32)
+  src[1, 4:], tgt[2, 3:] = PAD_ID, PAD_ID
+  expected = np.asarray(Transformer(cfg).apply({"params": params}, src, tgt))
+  with torch.no_grad():
+    got = model.logits(torch.from_numpy(src).long(), torch.from_numpy(tgt).long()).numpy()
+  valid = tgt != PAD_ID
+  assert np.abs(expected[valid]).max() > 1e-2     # logits that say something
+  np.testing.assert_allclose(got[valid], expected[valid], atol=1e-4, rtol=1e-4)
   path = str(tmp_path / "model.safetensors")
   from safetensors.numpy import save_file
   save_file(state, path)

@@ -1,6 +1,7 @@
 """Multi-host training: two processes on this machine (4 CPU devices each, jax.distributed with
 a coordinator on 127.0.0.1) train together through train.py and agree with one process that
-has all 8 devices."""
+has all 8 devices. Joining a cluster: once per process, and a user error after JAX started.
+(The two-stage recipe and checkpoint averaging on 2 processes: tests/test_elastic.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import socket
 import subprocess
 import sys
 
+import jax
 import pytest
+
+from transformer_jax import errors, sharding
+from transformer_jax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
@@ -81,3 +86,33 @@ def test_two_processes_train_like_one(tmp_path):
   # Both hosts wrote the checkpoint together: one complete step directory.
   assert os.listdir(os.path.join(shared, "checkpoints")) == [str(STEPS)]
   assert "final:" in outputs[0] and "final:" not in outputs[1]  # only process 0 reports
+
+
+def test_joining_a_cluster_after_jax_started_is_one_error_line(capsys):
+  """JAX joins a cluster only before its backend starts: a caller that used JAX first gets
+  the user error (one line, status 2) naming the fix, not JAX's RuntimeError."""
+  jax.devices()     # the backend is up, as it is in any process that computed something
+  join = lambda: sharding.initialize_distributed(f"127.0.0.1:{_free_port()}", 2, 0)
+  fix = r"call transformer_jax\.training\.loop\.start_distributed\(config\) before any other JAX"
+  with pytest.raises(UserError, match=f"used JAX before joining the cluster.*{fix}") as caught:
+    join()
+  assert isinstance(caught.value.__cause__, RuntimeError)
+  with pytest.raises(SystemExit) as ended:
+    errors.user_errors(join)()
+  assert ended.value.code == errors.EXIT_STATUS
+  lines = capsys.readouterr().err.splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: config.distributed.initialize=True")
+
+
+def test_a_second_start_joins_nothing_and_a_different_cluster_is_refused(monkeypatch):
+  """Once a process is in a cluster (a recipe's first stage started it), starting it again
+  is a no-op for the same cluster and a user error for another one."""
+  def must_not_run(**kwargs):
+    raise AssertionError(f"jax.distributed.initialize called again with {kwargs}")
+  monkeypatch.setattr(jax.distributed, "initialize", must_not_run)
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  sharding.initialize_distributed(f"127.0.0.1:{_free_port()}", jax.process_count(),
+                                  jax.process_index())
+  sharding.initialize_distributed()          # the cluster read from the environment: as is
+  with pytest.raises(UserError, match=r"already joined a cluster as process 0 of 1, not 1 of 3"):
+    sharding.initialize_distributed("127.0.0.1:1", 3, 1)

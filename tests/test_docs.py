@@ -161,3 +161,41 @@ def test_relative_links_point_to_existing_files_and_headings(page):
 def test_anchors_follow_githubs_rules():
   assert heading_anchors("# Cloud TPU plans: ahead-of-time (XLA `est.`)\n## Data\n## Data\n") == {
       "cloud-tpu-plans-ahead-of-time-xla-est", "data", "data-1"}
+
+
+# ------------------------------------------------- words that belong to the tracker
+# The pages a reader sees speak of the project, not of how its work was organised: no
+# references to tracker entries ("issue 12", "issue #12", "#12") and none of the words below.
+WORDS_CHECKED_PAGES = (*PAGES, "benchmarks/RESULTS.md")
+_TRACKER_WORDS = re.compile(
+    r"\b(?:issues?|pull requests?|PRs?)\s+#?\d+"     # issue 12, issue #12, PR 7
+    r"|(?<![\w&/#])#\d+\b"                           # #12 (not &#12; or a heading's #)
+    r"|\blent\b|\bleas(?:e|es|ed|ing)\b|\bdevice[ -]time\b|\bsessions?\b",
+    re.IGNORECASE)
+_LINK_TARGET = re.compile(r"\]\([^)\s]*\)")          # [text](#12-anchor): a heading, not #12
+
+
+def tracker_words(text: str) -> list[tuple[int, str]]:
+  """(line number, match) of each tracker reference or banned word in a page's text."""
+  found = []
+  for number, line in enumerate(text.splitlines(), 1):
+    found += [(number, m.group(0)) for m in _TRACKER_WORDS.finditer(_LINK_TARGET.sub("]", line))]
+  return found
+
+
+@pytest.mark.parametrize("page", WORDS_CHECKED_PAGES)
+def test_pages_hold_no_tracker_references_or_its_words(page):
+  assert tracker_words(_read(page)) == [], f"{page}: reword these (line, words)"
+
+
+def test_tracker_words_are_found_and_ordinary_words_are_not():
+  bad = ("see issue 12", "Issue #7 says", "fixed in #31.", "(#4)", "PR 9", "on a lent GPU",
+         "the lease ends", "15 minutes of device time", "one session", "Sessions end")
+  for text in bad:
+    assert tracker_words(text), text
+  assert tracker_words("a\nb #5\n") == [(2, "#5")]
+  fine = ("Please release the silent, excellent, equivalent model", "## 2. Data",
+          "see [the steps](#1-install)", "&#123;", "issues with padding", "a 12-step run",
+          "x = y  # 12 rows")
+  for text in fine:
+    assert tracker_words(text) == [], text

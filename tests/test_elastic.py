@@ -4,7 +4,10 @@ seq2seq and encoder-task packing. End to end: train.py on 1 process of 8 CPU dev
 on 2 processes (jax.distributed on 127.0.0.1), resumed on 1 process of 4 devices, with
 grad_accum_steps=2: every global batch's fingerprint equals the uninterrupted run's and the
 losses agree within 1e-5 relative; a mesh the global batch does not split over is refused
-in one line. (A same-mesh resume is bitwise: tests/test_resume.py.)"""
+in one line. The same for the pretrain-then-fine-tune recipe (training/recipe.py): resumed
+mid-pretraining on 2 processes, which then run both stages on one cluster, and resumed
+mid-fine-tuning on 1. Checkpoint averaging on 2 processes gives the model of 1. (A
+same-mesh resume is bitwise: tests/test_resume.py.)"""
 
 from __future__ import annotations
 
@@ -24,15 +27,16 @@ from cli_helpers import finish, start
 from conftest import featurizing_task
 from test_data import DIGITS, digit_records, write
 from test_distributed import _env, _finish, _free_port, _metrics
-from test_tasks import _DigitWords, _encoder_records
+from test_tasks import _DigitWords, _encoder_records, sentiment_corpus
 from test_tfds import _aligned_conll, _data
 
-from transformer_jax import tasks
+from transformer_jax import checkpoint, tasks
 from transformer_jax.checkpoint import Restored
 from transformer_jax.data import pipeline
 from transformer_jax.data.tfds_source import tfds_corpus
 from transformer_jax.errors import UserError
 from transformer_jax.training import loop
+from transformer_jax.trees import named_leaves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCHES, RESUME_AT = 8, 3
@@ -180,7 +184,10 @@ def _corpus(folder) -> str:
   return str(folder)
 
 
-def _train(workdir, data: str, devices: int, processes: int = 1, *extra: str):
+def _train(workdir, data: str, devices: int, processes: int = 1, *extra: str,
+           flags: list[str] = RUN_FLAGS):
+  """train.py (tests/fingerprint_train.py) with `flags` on `processes` processes of `devices`
+  CPU devices each; their outputs."""
   port = _free_port()
   cluster = lambda i: ["--config.distributed.initialize=True",
                        f"--config.distributed.coordinator_address=127.0.0.1:{port}",
@@ -189,7 +196,7 @@ def _train(workdir, data: str, devices: int, processes: int = 1, *extra: str):
   env = {**_env(devices), "FINGERPRINTS": f"{workdir}.fingerprints"}
   runs = [subprocess.Popen(
       [sys.executable, os.path.join(ROOT, "tests", "fingerprint_train.py"),
-       f"--workdir={workdir}", *RUN_FLAGS, f"--config.data.dir={data}", *extra, *cluster(i)],
+       f"--workdir={workdir}", *flags, f"--config.data.dir={data}", *extra, *cluster(i)],
       cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
       for i in range(processes)]
   return [_finish(run) for run in runs]
@@ -247,3 +254,106 @@ def test_train_resumes_across_process_and_device_counts(tmp_path):
   errors = [line for line in output.splitlines() if line.startswith("error:")]
   assert errors == ["error: batch_size/grad_accum_steps=8 is not divisible by mesh "
                     "data*fsdp=3; every device needs an equal share of the batch"], output
+
+
+# ------------------------------------------------- the recipe: pretraining, then fine-tuning
+PRETRAIN, FINE_TUNE, CUT = 4, 4, 2   # steps of each stage; both resumed after step CUT
+RECIPE_FLAGS = [
+    "--config=configs/sst2.py", "--config.pretrain.enabled=True",
+    f"--config.pretrain.num_train_steps={PRETRAIN}", "--config.pretrain.warmup_steps=2",
+    f"--config.num_train_steps={FINE_TUNE}", "--config.log_every_steps=1",
+    "--config.eval_every_steps=100", f"--config.checkpoint_every_steps={CUT}",
+    "--config.average_checkpoints=0", "--config.batch_size=8",
+    "--config.data.min_word_count=1", "--config.eval.examples=8", "--config.eval.batch_size=8",
+    "--config.model.d_model=32", "--config.model.d_ff=64", "--config.model.num_heads=2",
+    "--config.model.num_encoder_layers=1", "--config.model.char_features=16",
+    # A schedule that does not depend on num_train_steps: a run told to stop early
+    # trains its steps as the full run does.
+    "--config.optimizer.schedule=constant", "--config.optimizer.warmup_steps=2",
+    "--config.mesh.data=-1",
+]
+
+
+def test_recipe_runs_on_two_processes_and_resumes_across_process_counts(tmp_path):
+  """1 process x 4 devices pretrains to step 2 -> 2 processes x 2 devices resume it, finish
+  pretraining and fine-tune to step 2 (one cluster for both stages) -> 1 process x 4 devices
+  resumes fine-tuning; against the uninterrupted recipe on 1 x 4: the same global batches
+  and losses, in each stage."""
+  data = tmp_path / "data"
+  data.mkdir()
+  sentiment_corpus(data)
+  straight, elastic = str(tmp_path / "straight"), str(tmp_path / "elastic")
+  (output,) = _train(straight, str(data), 4, flags=RECIPE_FLAGS)
+  assert "fine-tuning stage from" in output, output[-3000:]
+  _resume_point(os.path.join(straight, "pretrain"), os.path.join(elastic, "pretrain"), CUT)
+
+  outputs = _train(elastic, str(data), 2, 2, f"--config.num_train_steps={CUT}",
+                   flags=RECIPE_FLAGS)
+  pretrained = os.path.join(elastic, "pretrain", "checkpoints", str(PRETRAIN))
+  for out in outputs:    # every process: both stages, in order, on the 2-process cluster
+    assert out.index(f"pretraining stage ({PRETRAIN} steps") < out.index(
+        f"fine-tuning stage from {pretrained}"), out[-3000:]
+  assert outputs[0].count("over 4 cpu devices") == 2                  # one mesh per stage
+  assert f"resumed from step {CUT}" in outputs[0] and "final:" in outputs[0]
+  with open(os.path.join(elastic, "config.json")) as f:
+    assert json.load(f)["init_from"] == pretrained
+  two_processes = _fingerprints(elastic, 2)
+  os.rename(f"{elastic}.fingerprints.0", f"{elastic}.first")
+  (output,) = _train(elastic, str(data), 4, flags=RECIPE_FLAGS)
+  assert "pretraining stage (" not in output                           # finished: skipped
+  assert f"resumed from step {CUT}" in output and "final:" in output
+
+  # Global batches: pretraining's, then fine-tuning's, all different.
+  expected = _fingerprints(straight, 1)
+  assert len(expected) == PRETRAIN + FINE_TUNE == len(set(map(tuple, expected)))
+  assert two_processes == expected[CUT:PRETRAIN + CUT]
+  assert _fingerprints(elastic, 1) == expected[PRETRAIN + CUT:]
+  losses = lambda lines: {m["step"]: m["train/loss"] for m in lines if "train/loss" in m}
+  for stage, steps in (("pretrain", PRETRAIN), ("", FINE_TUNE)):
+    ours, theirs = (losses(_metrics(os.path.join(w, stage))) for w in (elastic, straight))
+    assert sorted(ours) == sorted(theirs) == list(range(1, steps + 1)), stage
+    for step, loss in theirs.items():
+      assert ours[step] == pytest.approx(loss, rel=1e-5), (stage, step)
+
+
+# ------------------------------------------------ checkpoint averaging on several processes
+AVERAGED = [2, 4]    # the checkpoints that average_checkpoints=2 averages after 4 steps
+AVERAGE_FLAGS = [flag for flag in RECIPE_FLAGS if not flag.startswith(
+    ("--config.pretrain.", "--config.average_checkpoints="))] + [
+    "--config.average_checkpoints=2"]
+
+
+def test_checkpoint_averaging_on_two_processes_makes_the_one_process_model(tmp_path):
+  """average_checkpoints=2 on 2 processes x 2 devices: process 0 averages steps 2 and 4
+  alone while the other waits, then both evaluate the average. The snapshot is the exact
+  mean of the run's own checkpoints, and the model (and its evaluation) that 1 process x 4
+  devices makes."""
+  data = tmp_path / "data"
+  data.mkdir()
+  sentiment_corpus(data)
+  two, one = str(tmp_path / "two"), str(tmp_path / "one")
+  outputs = _train(two, str(data), 2, 2, flags=AVERAGE_FLAGS)
+  _train(one, str(data), 4, flags=AVERAGE_FLAGS)
+  assert f"average of steps {AVERAGED}" in outputs[0] and "final:" in outputs[0], outputs[0]
+
+  snapshot = lambda workdir: os.path.join(workdir, "exports", f"step_{AVERAGED[-1]}_avg2")
+  assert checkpoint.read_record(snapshot(two)).averaged_steps == AVERAGED
+  ours, theirs = (named_leaves(checkpoint.restore_params(snapshot(w))) for w in (two, one))
+  saved = [dict(named_leaves(checkpoint.restore_params(os.path.join(two, "checkpoints",
+                                                                      str(s)))))
+           for s in AVERAGED]
+  assert [name for name, _ in ours] == [name for name, _ in theirs] == list(saved[0])
+  for (name, mean), (_, other) in zip(ours, theirs):
+    parts = [np.asarray(s[name], np.float64) for s in saved]
+    np.testing.assert_array_equal(mean, (sum(parts) / len(parts)).astype(mean.dtype), name)
+    # Attention's key bias has a zero gradient (softmax ignores a shift): its gradient is
+    # rounding noise, which Adam scales up to steps of the learning rate.
+    if not name.endswith("key/bias"):
+      np.testing.assert_allclose(mean, other, rtol=1e-5, atol=1e-6, err_msg=name)
+  assert any(not np.array_equal(mean, saved[-1][name]) for name, mean in ours)  # a real mean
+
+  final = lambda workdir: [m for m in _metrics(workdir) if "eval/averaged_checkpoints" in m]
+  (a,), (b,) = final(two), final(one)
+  assert a["eval/averaged_checkpoints"] == b["eval/averaged_checkpoints"] == len(AVERAGED)
+  assert a["eval/loss"] == pytest.approx(b["eval/loss"], rel=1e-5)
+  assert a["eval/accuracy"] == b["eval/accuracy"]

@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import random_tokens, tiny_config
 
 from configs.default import get_config
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID
 from transformer_jax.data.synthetic import SyntheticData
+from transformer_jax.errors import UserError
 from transformer_jax.metrics import corpus_bleu, exact_match
 from transformer_jax.options import OptimizerOptions
 from transformer_jax.tasks.losses import cross_entropy_sums, smoothed_targets, smoothing_entropy
@@ -268,3 +270,38 @@ def test_synthetic_task_rejects_bad_settings():
     SyntheticData("reverse", 0, 4, seed=0)
   with pytest.raises(ValueError, match="max_length"):
     SyntheticData("reverse", 5, 4, seed=0)
+
+
+@pytest.mark.parametrize("tie_output", [True, False])
+def test_the_loss_over_tiles_of_the_targets_is_the_whole_loss_with_its_gradients(tie_output):
+  """model.loss_tiles: the output layer and the label-smoothed loss a slice of positions at
+  a time give the same sums and the same parameter gradients as one pass over all logits."""
+  from transformer_jax import Transformer
+  from transformer_jax.tasks.losses import tiled_cross_entropy_sums
+  cfg = tiny_config(tie_output=tie_output, share_embeddings=tie_output,
+                    target_vocab_size=None if tie_output else 40, final_logits_bias=True)
+  model = Transformer(cfg)
+  src, tgt = jnp.asarray(random_tokens(0, 3, 7)), jnp.asarray(random_tokens(1, 3, 8))
+  targets = jnp.asarray(random_tokens(2, 3, 8)).at[0, 5:].set(0)    # padding is skipped
+  params = model.init(jax.random.PRNGKey(0), src, tgt)["params"]
+  params = jax.tree_util.tree_map(lambda x: x + 0.05 * jnp.sin(jnp.arange(x.size).reshape(
+      x.shape)), params)   # a nonzero final_logits_bias, so that its gradient is compared
+
+  def whole(p):
+    return cross_entropy_sums(model.apply({"params": p}, src, tgt, train=True), targets, 0.1)
+
+  def tiled(p):
+    hidden = model.apply({"params": p}, src, tgt, train=True, return_hidden=True)
+    project = lambda h: model.apply({"params": p}, h, train=True,
+                                    method=Transformer.output_logits)
+    return tiled_cross_entropy_sums(project, hidden, targets, 0.1, tiles=4)
+
+  want, got = whole(params), tiled(params)
+  for key in ("loss", "nll", "correct", "weight"):
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-5)
+  assert float(want["weight"]) == 21.0
+  grads = [jax.grad(lambda p: f(p)["loss"])(params) for f in (whole, tiled)]
+  for w, g in zip(*(jax.tree_util.tree_leaves(x) for x in grads)):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+  with pytest.raises(UserError, match="loss_tiles=3 does not divide the 8 target positions"):
+    tiled_cross_entropy_sums(lambda h: h, jnp.zeros((1, 8, 2)), targets[:1], 0.1, tiles=3)

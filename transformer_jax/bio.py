@@ -54,14 +54,15 @@ def viterbi(log_probs: np.ndarray, start: np.ndarray, transition: np.ndarray, *,
   return tags
 
 
-def best_tags(per_word: np.ndarray, lengths: Sequence[int],
+def best_tags(per_word: np.ndarray | Sequence[np.ndarray], lengths: Sequence[int],
               allowed: tuple[np.ndarray, np.ndarray], *,
               crf: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
               constrained: bool = True) -> list[np.ndarray]:
-  """Each row's tag ids over its first `lengths[i]` words, from per-word scores
-  (B, S, L): the BIO-valid Viterbi path (`allowed`: from allowed_transitions), or each
-  word's argmax when not `constrained`. A CRF's learned scores (`crf`) always decode with
-  BIO, as the CRF was trained among BIO-valid sequences. Predict and serving both use it."""
+  """Each row's tag ids over its first `lengths[i]` words, from per-word scores (B, S, L)
+  or rows of them (S_i, L): the BIO-valid Viterbi path (`allowed`: from
+  allowed_transitions), or each word's argmax when not `constrained`. A CRF's learned
+  scores (`crf`) always decode with BIO, as the CRF was trained among BIO-valid sequences.
+  Predict and serving both use it."""
   if crf is None and not constrained:
     return [np.asarray(row[:n]).argmax(-1) for row, n in zip(per_word, lengths)]
   return [viterbi(np.asarray(row[:n]), *allowed, scores=crf)

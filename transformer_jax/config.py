@@ -25,7 +25,7 @@ _CHOICES = {
     "positional": ("sinusoidal", "learned"),
     "activation": ("relu", "gelu", "swish", "silu"),
     "sinusoidal_layout": ("interleaved", "halves"),
-    "attention_impl": ("einsum", "xla", "cudnn"),
+    "attention_impl": ("einsum", "xla", "cudnn", "splash", "auto"),
     "remat_policy": ("none", "full", "dots", "dots_no_batch"),
 }
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -61,9 +61,12 @@ class TransformerConfig:
       encoding is still added), as Marian starts its decoders and CTranslate2 runs them:
       set by imports from MarianMT, and for a model trained here that is to be deployed on
       CTranslate2 (convert --to=hf_marian).
-    attention_impl: "xla" or "cudnn" (both through jax.nn.dot_product_attention; "cudnn"
-      falls back to "xla" where the backend, dtype or shapes do not allow it) or "einsum"
-      (explicit; the only path that can return attention weights).
+    attention_impl: "einsum" (explicit; the only path that can return attention weights
+      or apply attention dropout), "xla" (jax.nn.dot_product_attention with a dense mask),
+      the fused kernels that never write the scores, "cudnn" (NVIDIA GPUs) and "splash"
+      (TPUs), which take padding, packing and causality natively and fall back to "xla"
+      with a warning on another backend, or "auto": the fastest exact attention on the
+      platform compiled for (cudnn on NVIDIA GPUs, splash on TPUs, einsum on CPUs).
     dtype: compute dtype name ("float32" or "bfloat16"); parameters stay `param_dtype`.
     param_dtype: parameter storage dtype name.
     layer_norm_epsilon: LayerNorm epsilon.
@@ -188,6 +191,9 @@ class TransformerConfig:
     for field, choices in _CHOICES.items():
       if getattr(self, field) not in choices:
         fail(field, f"must be one of {choices}")
+    if self.attention_impl in ("cudnn", "splash") and self.attention_dropout_rate > 0:
+      fail("attention_dropout_rate", f"the {self.attention_impl} kernel has no attention "
+           "dropout; set it to 0, or attention_impl to 'einsum'")   # "auto": experiment.py
     for field in ("dtype", "param_dtype"):
       if getattr(self, field) not in _DTYPES:
         fail(field, f"must be one of {tuple(_DTYPES)}")

@@ -71,7 +71,7 @@ def export_stablehlo(workdir: str, steps: list[int] | None, output: str | None,
     output = output or os.path.join(workdir, "serving", name)
     decode = predictor.decode_options(beam_size=beam_size)
     serving.write_artifact(predictor.task, predictor.params, decode, output,
-                           platforms=platforms,
+                           platforms=platforms, lines=predictor.policy,
                            source={"workdir": os.path.abspath(workdir), "step": predictor.step,
                                    "model": os.path.abspath(predictor.path)})
   return output

@@ -18,6 +18,9 @@ from transformer_jax.errors import UserError
 from transformer_jax.renamed_fields import upgrade
 
 DATA_SOURCES = ("synthetic", "local", "tfds")
+# The generated tasks of data/synthetic.py. The list lives here, with the other choices the
+# schema checks, so that the schema need not import the data package (which imports it).
+SYNTHETIC_TASKS = ("reverse", "sort", "add")
 TOKENIZERS = ("sentencepiece", "words")
 # A training example longer than data.max_length: dropped, truncated (data.truncate says
 # which tokens stay), or split into consecutive pieces of max_length tokens.
@@ -39,6 +42,15 @@ def check_choice(group: str, name: str, value: Any, choices: Sequence[str]) -> N
   """`group` is the field's prefix ("data."), so the error names the field as it is set."""
   if value not in choices:
     raise UserError(f"{group}{name}={value!r}: must be one of {tuple(choices)}")
+
+
+def check_synthetic(task: str, min_length: int, max_length: int) -> None:
+  """A synthetic task's name and its digits per example (also checked by SyntheticData)."""
+  if task not in SYNTHETIC_TASKS:
+    raise UserError(f"data.synthetic_task={task!r}: must be one of {SYNTHETIC_TASKS}")
+  if not 1 <= min_length <= max_length:
+    raise UserError(f"data.min_length={min_length}, data.max_length={max_length}: need "
+                    "1 <= min_length <= max_length")
 
 
 REDUCTION_DTYPES = ("auto", "bfloat16", "float32")
@@ -129,8 +141,7 @@ class DataOptions(_Options):
                          "eval" if self.source == "synthetic" else "validation")
     _integer("data.", "max_length", self.max_length, 1)
     if self.synthetic:
-      from transformer_jax.data.synthetic import SyntheticData  # The task list is its own.
-      SyntheticData.check(self.synthetic_task, self.min_length, self.max_length)
+      check_synthetic(self.synthetic_task, self.min_length, self.max_length)
       return
     _integer("data.", "eval_max_length", self.eval_max_length, 1)
     check_choice("data.", "too_long", self.too_long, TOO_LONG_POLICIES)

@@ -2,14 +2,20 @@
 
   python -m transformer_jax.predict --workdir W [--input IN] [--output OUT]
       [--beam_size 4] [--alpha 0.6] [--batch_size 64] [--checkpoint DIR]
+      [--too_long refuse|truncate]
 
-Translation: text in, text out. Classification: text in, label out. Tagging: space-separated
-words in, one tag per word out. Loads the workdir's newest model: the highest-step parameter
-snapshot in W/exports/ or checkpoint in W/checkpoints/ (a snapshot wins at the same step; a
-damaged one is skipped with a warning), or the snapshot or checkpoint directory given as
---checkpoint. The
-model's config, tokenizer(s) and label names are read from that checkpoint. Input and output
-default to stdin and stdout.
+Translation: text in, text out. Classification: text in, label out. Tagging: words
+separated by spaces or tabs in, one tag per word out. Loads the workdir's newest model: the
+highest-step parameter snapshot in W/exports/ or checkpoint in W/checkpoints/ (a snapshot
+wins at the same step; a damaged one is skipped with a warning), or the snapshot or
+checkpoint directory given as --checkpoint. The model's config, tokenizer(s) and label
+names are read from that checkpoint. Input and output default to stdin and stdout.
+
+Lines are read, cleaned and fitted to the model as its training did, as the server does
+(serving/line_policy.py): any bytes are read (not UTF-8: as Windows-1252, with a warning),
+a blank line gives an empty output, a line longer than the model's max_len is truncated
+by a classifier, tagged in overlapping windows by a tagger, and refused (an `error:` line
+naming it) by translation or under --too_long=refuse.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Iterable, TextIO
+from typing import Any, BinaryIO, Iterable, TextIO
 
 import flax.linen as nn
 import jax
+import numpy as np
 from absl import flags, logging
 
 from transformer_jax import checkpoint, errors, tasks
@@ -28,18 +35,37 @@ from transformer_jax.data import pipeline
 from transformer_jax.errors import MissingFileError, UserError
 from transformer_jax.files import atomic_output
 from transformer_jax.inputs import InputError
-from transformer_jax.options import DecodeOptions, TrainOptions
+from transformer_jax.options import DataOptions, DecodeOptions, TrainOptions
 from transformer_jax.renamed_fields import upgrade
+from transformer_jax.serving.line_policy import TOO_LONG_CHOICES, LineReader, stitch, window_starts
+
+
+class _Prepared:
+  """The task, over records that hold their featurized example: a line is featurized once
+  (its length decides what becomes of it), and its windows are examples too."""
+
+  def __init__(self, task: tasks.Task):
+    self._task = task
+
+  def featurize(self, record: dict) -> dict:
+    return record["example"]
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._task, name)
 
 
 class Predictor:
-  """Loads a model once (see the module doc for which) and predicts batches of lines."""
+  """Loads a model once (see the module doc for which) and predicts batches of lines.
+  `too_long`: the --too_long flag (None: what the model's training did)."""
 
-  def __init__(self, workdir: str | None = None, checkpoint_path: str | None = None):
+  def __init__(self, workdir: str | None = None, checkpoint_path: str | None = None,
+               too_long: str | None = None):
     self.path, (model, self.task, self.params) = checkpoint.load_newest(
         workdir, self._load, checkpoint_path)
     self.step, self.saved_config = model.step, upgrade(model.config)
     self.decode = DecodeOptions.from_dict(self.saved_config.get("decode"))
+    self.policy = self.task.line_policy(DataOptions.from_dict(self.saved_config.get("data")))
+    self.policy = self.policy.choose(too_long, self.task.name)
 
   @staticmethod
   def _task(model: checkpoint.ModelRecord) -> tasks.Task:
@@ -75,38 +101,65 @@ class Predictor:
   def predict_lines(self, lines: list[str], decode: DecodeOptions | None = None,
                     first_line: int = 1) -> list[str]:
     """One output line per input line: a translation, a label, or space-separated tags,
-    searched with `decode` (default: the run's decode options). Lines are grouped in
-    length buckets, so each bucket shape compiles once. An unusable line raises InputError
-    naming its number (`first_line` is the number of lines[0])."""
-    if not lines:
-      return []
+    searched with `decode` (default: the run's decode options). Each line is cleaned and
+    fitted to the model by the line policy (serving/line_policy.py); a line without input
+    tokens gives an empty output. Lines are grouped in length buckets, so each bucket shape
+    compiles once. An unusable line raises InputError naming its number (`first_line` is
+    the number of lines[0])."""
     decode = decode or self.decode
-    records = [self.task.record_from_line(line) for line in lines]
     max_len = self.model_config.max_len
-    for number, record in enumerate(records, first_line):
+    rows: list[dict] = []              # the model's rows: a line's example or its windows
+    lengths: dict[int, int] = {}       # line index -> its tokens
+    for index, line in enumerate(lines):
+      where = f"input line {first_line + index}"
       try:
-        length = self.task.example_length(self.task.featurize(record))
+        example = self.task.featurize(self.task.record_from_line(self.policy.clean(line)))
       except UserError as e:   # e.g. a symbol outside the vocabulary
-        raise InputError(f"input line {number}: {e}") from None
-      if length > max_len:
-        raise InputError(f"input line {number}: {length} tokens exceed the "
-                         f"model's max_len={max_len}; shorten or split it")
-    for index, record in enumerate(records):
-      record["index"] = index     # where its output goes once the buckets are decoded
-    batches, _ = pipeline.eval_batches(records, self.task, batch_size=len(lines),
-                                       max_length=max_len)
+        raise InputError(f"{where}: {e}") from None
+      if not len(example[self.task.sequence_keys[0]]):
+        continue                # no input tokens: an empty output, no model call
+      lengths[index] = self.task.example_length(example)
+      action = self.policy.action(lengths[index], max_len, where)
+      if action == "truncate":
+        example = self.task.truncate(example, max_len, self.policy.truncate)
+      starts = window_starts(lengths[index], max_len) if action == "window" else [0]
+      rows += [{"example": self.task.window(example, start, max_len), "line": index,
+                "start": start} for start in starts]
     outputs: list[str] = [""] * len(lines)
+    if not rows:
+      return outputs
+    batches, _ = pipeline.eval_batches(rows, _Prepared(self.task), batch_size=len(lines),
+                                       max_length=max_len)
+    if self.policy.too_long == "window":
+      return self._stitched(batches, lengths, outputs, decode)
     for batch in batches:
       for record, output in zip(batch.records, self.task.predict(self.params, batch.arrays,
                                                                  decode)):
-        outputs[record["index"]] = output
+        outputs[record["line"]] = output
+    return outputs
+
+  def _stitched(self, batches: list[pipeline.EvalBatch], lengths: dict[int, int],
+                outputs: list[str], decode: DecodeOptions) -> list[str]:
+    """`outputs` with each line's output from its windows' per-token scores, each token's
+    from the window where it has the most context (one window: the line's own scores)."""
+    windows: dict[int, dict[int, np.ndarray]] = {index: {} for index in lengths}
+    for batch in batches:
+      for record, row in zip(batch.records, self.task.predict_scores(self.params,
+                                                                     batch.arrays)):
+        windows[record["line"]][record["start"]] = row
+    max_len = self.model_config.max_len
+    scores = [stitch([windows[i][s] for s in sorted(windows[i])], sorted(windows[i]),
+                     lengths[i], max_len) for i in lengths]
+    for index, output in zip(lengths, self.task.outputs_from_scores(self.params, scores,
+                                                                    decode)):
+      outputs[index] = output
     return outputs
 
 
 def _batches(lines: Iterable[str], size: int) -> Iterable[list[str]]:
   batch = []
   for line in lines:
-    batch.append(line.rstrip("\n"))
+    batch.append(line)
     if len(batch) == size:
       yield batch
       batch = []
@@ -114,17 +167,23 @@ def _batches(lines: Iterable[str], size: int) -> Iterable[list[str]]:
     yield batch
 
 
-def predict(workdir: str | None, infile: TextIO, outfile: TextIO, beam_size: int | None,
-            alpha: float | None, batch_size: int, checkpoint_path: str | None = None) -> int:
-  """Predicts every line of `infile` into `outfile`; beam_size/alpha None: the run's own."""
-  predictor = Predictor(workdir, checkpoint_path)
+def predict(workdir: str | None, infile: BinaryIO, outfile: TextIO, beam_size: int | None,
+            alpha: float | None, batch_size: int, checkpoint_path: str | None = None,
+            too_long: str | None = None) -> int:
+  """Predicts every line of `infile` (bytes, read as serving/line_policy.py says) into
+  `outfile`; beam_size/alpha None: the run's own; too_long None: as the training did."""
+  predictor = Predictor(workdir, checkpoint_path, too_long)
   decode = predictor.decode_options(beam_size=beam_size, alpha=alpha)
+  reader = LineReader(infile)
   count = 0
-  for batch in _batches(infile, batch_size):
+  for batch in _batches(reader, batch_size):
     for line in predictor.predict_lines(batch, decode, first_line=count + 1):
       outfile.write(line + "\n")
       count += 1
   outfile.flush()
+  warning = reader.warning()
+  if warning:
+    print(warning, file=sys.stderr)
   return count
 
 
@@ -147,6 +206,11 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   flags.DEFINE_float("alpha", None, "Length penalty exponent; default: the run's "
                      "decode.alpha.", **define)
   flags.DEFINE_integer("batch_size", 64, "Lines decoded together.", **define)
+  flags.DEFINE_enum("too_long", None, list(TOO_LONG_CHOICES), "A line longer than the "
+                    "model's max_len: 'truncate' does what training did (a classifier keeps "
+                    "data.truncate's tokens, a tagger tags overlapping windows; translation "
+                    "refuses), 'refuse' stops with an error naming the line. Default: "
+                    "truncate (refuse for translation).", **define)
 
 def _check_flags() -> None:
   """The flags, before a model is loaded."""
@@ -169,9 +233,12 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
   del argv
   _check_flags()
-  # utf-8-sig: a byte-order mark (Windows editors) is not part of the first line.
-  infile = sys.stdin if FLAGS.input == "-" else open(FLAGS.input, encoding="utf-8-sig")
-  args = (FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_size, FLAGS.checkpoint)
+  # Bytes: the line reader decodes each line itself (serving/line_policy.py, "reading").
+  try:
+    infile = sys.stdin.buffer if FLAGS.input == "-" else open(FLAGS.input, "rb")
+  except OSError as e:
+    raise UserError(f"--input={FLAGS.input}: {e.strerror or e}") from None
+  args = (FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_size, FLAGS.checkpoint, FLAGS.too_long)
   try:
     if FLAGS.output == "-":
       predict(FLAGS.workdir, infile, sys.stdout, *args)
@@ -179,7 +246,7 @@ def main(argv):
       with atomic_output(FLAGS.output) as outfile:
         predict(FLAGS.workdir, infile, outfile, *args)
   finally:
-    if infile is not sys.stdin:
+    if infile is not sys.stdin.buffer:
       infile.close()
 
 

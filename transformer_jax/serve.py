@@ -3,16 +3,24 @@
   python -m transformer_jax.serve --model=DIR [--host=127.0.0.1] [--port=8080]
       [--max_batch=32] [--max_wait_ms=5] [--max_inputs=64] [--max_body_bytes=1048576]
       [--listen_backlog=128] [--model_name=NAME] [--model_version=V]
-      [--shutdown_timeout_s=30] [--request_log=FILE]
+      [--shutdown_timeout_s=30] [--request_log=FILE] [--too_long=refuse|truncate]
 
   POST /v1/predict  {"inputs": ["line", ...]}  ->  200 {"outputs": ["output", ...]}
-  GET  /healthz     ->  200 {"status": "ok", "name", "version", "task", "fingerprint"}
+  GET  /healthz     ->  200 {"status": "ok", "name", "version", "task", "fingerprint",
+                              "device", "device_kind"}
   GET  /metrics     ->  Prometheus text format
 
 The batcher runs the lines of concurrent requests together, one length bucket per model
 call (transformer_jax/serving/batching.py); the handler (serving/server.py) answers bad
-requests 4xx with a JSON error. SIGTERM (or Ctrl-C) stops accepting connections, lets the
-requests in flight finish (up to --shutdown_timeout_s) and exits with status 0.
+requests 4xx with a JSON error. Each line is cleaned and fitted to the model as predict does
+it (serving/line_policy.py: the artifact's manifest says what the training did with lines
+longer than max_len; --too_long=refuse refuses them instead). SIGTERM (or Ctrl-C) stops
+accepting connections, lets the requests in flight finish (up to --shutdown_timeout_s) and
+exits with status 0.
+
+A GPU that cannot be used (its memory taken by another JAX process, most often) ends the
+command at start with one line naming XLA_PYTHON_CLIENT_PREALLOCATE and
+XLA_PYTHON_CLIENT_MEM_FRACTION (serving/device.py), not a quiet fall back to the CPU.
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ from absl import app, flags
 
 from transformer_jax import errors
 from transformer_jax.errors import UserError
-from transformer_jax.serving import ArtifactError, Served
+from transformer_jax.serving import ArtifactError, Served, device
 from transformer_jax.serving.batching import Batcher
+from transformer_jax.serving.line_policy import TOO_LONG_CHOICES
 from transformer_jax.serving.server import InFlight, Limits, Server, make_handler
 
 FLAGS = flags.FLAGS
@@ -56,6 +65,11 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                       "hex digits of the artifact's fingerprint.", **define)
   flags.DEFINE_float("shutdown_timeout_s", 30.0, "On SIGTERM, how long requests in flight "
                      "may take to finish.", lower_bound=0.0, **define)
+  flags.DEFINE_enum("too_long", None, list(TOO_LONG_CHOICES), "A line longer than the "
+                    "model's max_len: 'truncate' does what training did (the artifact's "
+                    "manifest: a classifier truncates, a tagger tags windows, translation "
+                    "refuses), 'refuse' answers 400 naming it. Default: truncate (translation: "
+                    "refuse).", **define)
   flags.DEFINE_string("request_log", None, "Append one JSON line per answered prediction "
                       "(latency, queue wait, model calls, output lengths).", **define)
 
@@ -79,12 +93,19 @@ def _request_logger(path: str | None) -> Any:
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  runs_on = device.start()         # before loading: a GPU that did not start is the cause
   try:
     served = Served.load(FLAGS.model, max_rows=FLAGS.max_batch)
   except (ArtifactError, FileNotFoundError) as e:
     raise UserError(f"--model={FLAGS.model}: {e}") from e
+  except RuntimeError as e:        # the parameters did not fit on the device
+    problem = device.memory_error(e, f"loading --model={FLAGS.model}")
+    if problem is None:
+      raise
+    raise problem from e
+  served.policy = served.policy.choose(FLAGS.too_long, served.manifest["task"])
   identity = {"name": FLAGS.model_name or os.path.basename(os.path.abspath(FLAGS.model)),
-              "version": FLAGS.model_version or served.fingerprint[:12]}
+              "version": FLAGS.model_version or served.fingerprint[:12], **runs_on}
   log, log_stream = _request_logger(FLAGS.request_log)
   batcher = Batcher(served, FLAGS.max_batch, FLAGS.max_wait_ms / 1000)
   in_flight = InFlight()
@@ -103,8 +124,9 @@ def main(argv: list[str]) -> None:
   signal.signal(signal.SIGTERM, stop)
   signal.signal(signal.SIGINT, stop)
   print(f"serving {served.manifest['task']} model {identity['name']} version "
-        f"{identity['version']} on http://{FLAGS.host}:{FLAGS.port} (POST /v1/predict, "
-        "GET /healthz, GET /metrics)", flush=True)
+        f"{identity['version']} on {runs_on['device']} ({runs_on['device_kind']}) at "
+        f"http://{FLAGS.host}:{FLAGS.port} (POST /v1/predict, GET /healthz, GET /metrics)",
+        flush=True)
   try:
     server.serve_forever()
   finally:

@@ -42,6 +42,11 @@ LOGICAL_AXIS_RULES = (
 # (`activations_split_over_batch`); None: no constraint.
 _ACTIVATION_ROWS: contextvars.ContextVar[NamedSharding | None] = contextvars.ContextVar(
     "activation_rows", default=None)
+# The mesh a step's arrays are split over while it is traced, for the kernels that must run
+# per device (shard_map: a Pallas kernel cannot be partitioned automatically); None: the
+# arrays are whole, or already one device's (inside a shard_map).
+_STEP_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("step_mesh",
+                                                                         default=None)
 
 
 @contextlib.contextmanager
@@ -55,10 +60,29 @@ def activations_split_over_batch(rows: NamedSharding | None) -> Iterator[None]:
   `rows`: the batch's sharding, as the steps take it (None: one device, no constraint)."""
   on_mesh = rows is not None and isinstance(rows.mesh, Mesh) and rows.mesh.shape["fsdp"] > 1
   token = _ACTIVATION_ROWS.set(rows if on_mesh else None)
+  mesh = rows.mesh if rows is not None and isinstance(rows.mesh, Mesh) else None
+  mesh_token = _STEP_MESH.set(mesh if mesh is not None and mesh.size > 1 else None)
   try:
     yield
   finally:
     _ACTIVATION_ROWS.reset(token)
+    _STEP_MESH.reset(mesh_token)
+
+
+@contextlib.contextmanager
+def per_device() -> Iterator[None]:
+  """Inside a shard_map over the step's mesh: arrays are one device's, so `step_mesh` is
+  None and the kernels run as they are."""
+  token = _STEP_MESH.set(None)
+  try:
+    yield
+  finally:
+    _STEP_MESH.reset(token)
+
+
+def step_mesh() -> Mesh | None:
+  """The mesh of the step being traced when its arrays are split over several devices."""
+  return _STEP_MESH.get()
 
 
 def constrain_to_batch(x: jax.Array) -> jax.Array:
@@ -261,13 +285,31 @@ def initialize_distributed(coordinator_address: str = "", num_processes: int = 0
                            process_id: int = -1) -> None:
   """Multi-host start-up: one process per host (or per GPU), all running the same program.
   With an empty coordinator address, `jax.distributed.initialize` reads the cluster from the
-  environment (Cloud TPU, SLURM, Open MPI, Kubernetes)."""
-  if not coordinator_address:
-    jax.distributed.initialize()
-    return
-  if num_processes < 1 or not 0 <= process_id < num_processes:
+  environment (Cloud TPU, SLURM, Open MPI, Kubernetes). Once per process: a later call (the
+  second stage of a recipe) finds the cluster up and leaves it as it is."""
+  if coordinator_address and (num_processes < 1 or not 0 <= process_id < num_processes):
     raise UserError(f"distributed: num_processes={num_processes} and process_id={process_id} "
                     "must satisfy 0 <= process_id < num_processes when coordinator_address "
                     f"={coordinator_address!r} is given")
-  jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes, process_id=process_id)
+  if jax.distributed.is_initialized():
+    if coordinator_address and (jax.process_count(), jax.process_index()) != (
+        num_processes, process_id):
+      raise UserError(f"distributed: this process already joined a cluster as process "
+                      f"{jax.process_index()} of {jax.process_count()}, not {process_id} of "
+                      f"{num_processes}; one process serves one cluster (start a new one)")
+    return
+  try:
+    if coordinator_address:
+      jax.distributed.initialize(coordinator_address=coordinator_address,
+                                 num_processes=num_processes, process_id=process_id)
+    else:   # the cluster's environment says (Cloud TPU, SLURM, ...)
+      jax.distributed.initialize()
+  except RuntimeError as e:
+    if "must be called before" not in str(e):
+      raise
+    # JAX cannot join a cluster once its backend has started (any jax.devices() or
+    # computation): a caller's ordering mistake, reported in one line.
+    raise UserError("config.distributed.initialize=True: this process used JAX before "
+                    "joining the cluster, and JAX joins one only before its first use; call "
+                    "transformer_jax.training.loop.start_distributed(config) before any other "
+                    "JAX call, or train in a fresh process") from e

@@ -125,6 +125,12 @@ def main(argv: list[str]) -> int:
                               "--target" if FLAGS["target"].present else "--topology")
   if FLAGS.hbm_gib:
     topology = targets.with_hbm(topology, FLAGS.hbm_gib)
+  with targets.tracing_for(topology):
+    return _plan(config, config_path, names, topology, log)
+
+
+def _plan(config: Any, config_path: str, names: tuple[str, ...], topology: targets.Topology,
+          log: Callable[[str], None]) -> int:
   run = programs.run_settings(config)
   chips, chip = len(topology.devices), topology.chip
   mesh = sharding.make_mesh(run.mesh, topology.devices)

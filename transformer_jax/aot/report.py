@@ -16,7 +16,7 @@ from transformer_jax import sharding
 from transformer_jax.accelerators import GiB, compiled_memory
 from transformer_jax.aot.hlo_cost import NO_BREAKDOWN, collective_bytes, op_breakdown
 from transformer_jax.aot.programs import Program, RunSettings
-from transformer_jax.aot.targets import Topology
+from transformer_jax.aot.targets import Topology, tracing_for
 
 ESTIMATE_NOTE = ("estimated step time, tokens/s and MFU are XLA's TPU cost-model estimates "
                  "(compiled here, without a TPU), not measurements")
@@ -96,7 +96,8 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
   (`hlo_cost.op_breakdown`)."""
   start = time.perf_counter()
   hbm = topology.chip.hbm_bytes
-  lowered = program.fn.lower(*program.args)
+  with tracing_for(topology):
+    lowered = program.fn.lower(*program.args)
   notes: list[str] = []
   try:
     try:

@@ -4,6 +4,7 @@ platform has one branch here that turns a target name into devices."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -12,6 +13,7 @@ import re
 
 from transformer_jax.accelerators import TARGET_CHIPS, Chip, GiB, chip_of
 from transformer_jax.errors import UserError
+from transformer_jax.modules import kernels
 from transformer_jax.platforms import quiet_stderr
 
 # A GPU's target description (the GpuTargetConfigProto text XLA compiles for), one file per
@@ -138,6 +140,14 @@ def _checked(chip: Chip, devices: list, name: str, flag: str) -> Chip:
 def _first_line(error: Exception) -> str:
   text = str(error).strip()
   return text.splitlines()[0] if text else type(error).__name__
+
+
+def tracing_for(topology: Topology) -> contextlib.AbstractContextManager:
+  """Programs traced inside are those the topology's chips run: "auto" attention resolves
+  to their kernel, and a kernel that cannot be traced for them is an error, not a fallback
+  to this CPU's path (modules/kernels.py)."""
+  device = topology.devices[0]
+  return kernels.target_platform(device.platform, getattr(device, "compute_capability", None))
 
 
 def with_hbm(topology: Topology, hbm_gib: float) -> Topology:

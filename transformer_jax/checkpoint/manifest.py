@@ -131,7 +131,22 @@ def absolute(path: str | epath.Path) -> epath.Path:
   return epath.Path(path if "://" in str(path) else os.path.abspath(path))
 
 
-def read(path: str | epath.Path, **items: ocp.args.CheckpointArgs) -> Any:
-  """The named items of the composite checkpoint at `path`, read as `items` say."""
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-    return checkpointer.restore(absolute(path), args=ocp.args.Composite(**items))
+def checkpointer(alone: bool = False) -> ocp.Checkpointer:
+  """A composite checkpointer that every process of a cluster calls together; or, `alone`,
+  one that process 0 calls by itself while the others do something else (Orbax's barriers
+  then wait for no other process; its item handlers write from process 0)."""
+  if not alone:
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  if jax.process_index() != 0:
+    raise ValueError(f"process {jax.process_index()}: only process 0 reads and writes alone")
+  only_0 = ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0})
+  handler = ocp.CompositeCheckpointHandler(
+      composite_options=ocp.CompositeOptions(multiprocessing_options=only_0))
+  return ocp.Checkpointer(handler, multiprocessing_options=only_0)
+
+
+def read(path: str | epath.Path, alone: bool = False, **items: ocp.args.CheckpointArgs) -> Any:
+  """The named items of the composite checkpoint at `path`, read as `items` say (by
+  process 0 alone if `alone`: see `checkpointer`)."""
+  with checkpointer(alone) as reader:
+    return reader.restore(absolute(path), args=ocp.args.Composite(**items))

@@ -15,6 +15,7 @@ import os
 from typing import Any, Callable, Sequence, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
@@ -24,6 +25,7 @@ from transformer_jax.checkpoint.manifest import (
   DamagedCheckpointError,
   IncompatibleCheckpointError,
   absolute,
+  checkpointer,
   describe,
   describe_leaf,
   differing,
@@ -36,6 +38,7 @@ from transformer_jax.data.tokenizer import TextAssets, load_tokenizer_item
 from transformer_jax.errors import MissingFileError
 from transformer_jax.options import TrainOptions
 from transformer_jax.renamed_fields import upgrade
+from transformer_jax.trees import unflatten
 
 CHECKPOINT_DIR, SNAPSHOT_DIR = "checkpoints", "exports"
 T = TypeVar("T")
@@ -80,9 +83,27 @@ def restore_params(path: str, abstract_params: Any | None = None) -> Any:
           f"{path}: the parameters do not fit the model of its config ({len(paths)} "
           f"arrays differ; {paths[0]}: saved {describe_leaf(saved.get(paths[0]))}, "
           f"model {describe_leaf(expected.get(paths[0]))})")
+  return _verified_params(path, manifest, abstract_params, alone=False)
+
+
+def _host_params(path: str) -> Any:
+  """The verified parameters of a checkpoint or snapshot as numpy arrays, read by process 0
+  alone. Each array is read whole onto one of its devices: with the sharding it was saved
+  with, part of it would belong to the other processes, which are not reading along."""
+  path = epath.Path(path)
+  manifest = read(path, alone=True, manifest=ocp.args.JsonRestore())["manifest"]
+  here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  target = unflatten({name: jax.ShapeDtypeStruct(leaf["shape"], jnp.dtype(leaf["dtype"]),
+                                                 sharding=here)
+                      for name, leaf in manifest["leaves"]["params"].items()})
+  params = _verified_params(path, manifest, target, alone=True)
+  return jax.tree_util.tree_map(np.asarray, params)
+
+
+def _verified_params(path: epath.Path, manifest: dict, target: Any | None, alone: bool) -> Any:
   restore = ocp.args.StandardRestore(
-      abstract_params, fallback_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-  params = read(path, params=restore)["params"]
+      target, fallback_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  params = read(path, alone=alone, params=restore)["params"]
   verify("params", params, manifest, str(path))
   return params
 
@@ -135,7 +156,8 @@ def select_steps(available: list[int], step: str, average: int, best: int | None
 def write_average(checkpoint_dir: str, steps: Sequence[int], output: str) -> str:
   """Writes the parameters of checkpoint `steps` (their mean if several: the paper's
   checkpoint averaging, §6.1) with the newest one's config and tokenizer as a parameter
-  snapshot at `output`. Returns `output`."""
+  snapshot at `output`. Returns `output`. In a cluster, process 0 calls it alone (the
+  others wait for it): it reads and writes by itself."""
   steps = sorted(steps)
   if not steps:
     raise ValueError("no checkpoints to export")
@@ -143,11 +165,11 @@ def write_average(checkpoint_dir: str, steps: Sequence[int], output: str) -> str
   if output_path.exists():
     raise FileExistsError(f"{output_path} already exists; choose another --output")
   paths = [absolute(checkpoint_dir) / str(s) for s in steps]
-  newest = read(paths[-1], manifest=ocp.args.JsonRestore(), config=ocp.args.JsonRestore(),
-                tokenizer=ocp.args.JsonRestore())
+  newest = read(paths[-1], alone=True, manifest=ocp.args.JsonRestore(),
+                config=ocp.args.JsonRestore(), tokenizer=ocp.args.JsonRestore())
   total = None
   for path in paths:
-    params = jax.tree_util.tree_map(np.asarray, restore_params(str(path)))
+    params = _host_params(str(path))
     if signature(params) != without_fingerprints(newest["manifest"]["leaves"]["params"]):
       raise IncompatibleCheckpointError(
           f"cannot average {path} with {paths[-1]}: their parameters differ in shape")
@@ -155,21 +177,23 @@ def write_average(checkpoint_dir: str, steps: Sequence[int], output: str) -> str
     total = as64 if total is None else jax.tree_util.tree_map(np.add, total, as64)
   # The mean is taken in float64 and rounded once to each parameter's dtype.
   mean = jax.tree_util.tree_map(lambda t, p: (t / len(paths)).astype(p.dtype), total, params)
-  return write_snapshot(str(output_path), mean, newest["config"], newest["tokenizer"], steps)
+  return write_snapshot(str(output_path), mean, newest["config"], newest["tokenizer"], steps,
+                        alone=True)
 
 
 def write_snapshot(output: str, params: Any, run_config: dict, tokenizer: dict,
-                 steps: Sequence[int]) -> str:
+                   steps: Sequence[int], alone: bool = False) -> str:
   """A parameter snapshot at `output` (which must not exist): `params` (host arrays), the
   run config, the tokenizer item (data.tokenizer.tokenizer_item) and a manifest saying which
-  training `steps` it comes from (their mean if several). Returns `output`."""
+  training `steps` it comes from (their mean if several). Returns `output`. `alone`:
+  written by process 0 by itself (manifest.checkpointer)."""
   output_path = absolute(output)
   if output_path.exists():
     raise FileExistsError(f"{output_path} already exists; choose another --output")
   manifest = {"step": steps[-1], "averaged_steps": list(steps),
               "leaves": {"params": describe(params)}}
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-    checkpointer.save(output_path, args=ocp.args.Composite(
+  with checkpointer(alone) as writer:
+    writer.save(output_path, args=ocp.args.Composite(
         params=ocp.args.StandardSave(params), config=ocp.args.JsonSave(run_config),
         tokenizer=ocp.args.JsonSave(tokenizer), manifest=ocp.args.JsonSave(manifest)))
   return str(output_path)

@@ -21,8 +21,8 @@ from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID
 from transformer_jax.data.pipeline import EvalBatch
 from transformer_jax.data.vocab import SymbolVocab
 from transformer_jax.errors import UserError
+from transformer_jax.options import check_synthetic
 
-TASKS = ("reverse", "sort", "add")
 RECORD_KEYS = ("source", "target")   # the records it makes (a translation task reads them)
 DIGITS = tuple(str(d) for d in range(10))
 _STREAMS = {"train": 0, "eval": 1}
@@ -48,13 +48,7 @@ class SyntheticData:
     self.summary = f"synthetic task {task!r}, lengths {min_length}-{max_length}"
     self.src_length, self.tgt_length = self.widths(task, max_length)
 
-  @staticmethod
-  def check(task: str, min_length: int, max_length: int) -> None:
-    if task not in TASKS:
-      raise UserError(f"data.synthetic_task={task!r}: must be one of {TASKS}")
-    if not 1 <= min_length <= max_length:
-      raise UserError(f"data.min_length={min_length}, data.max_length={max_length}: need "
-                      "1 <= min_length <= max_length")
+  check = staticmethod(check_synthetic)   # The schema owns the task list and its check.
 
   @staticmethod
   def widths(task: str, max_length: int) -> tuple[int, int]:

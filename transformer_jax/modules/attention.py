@@ -1,8 +1,10 @@
-"""Masks, scaled dot-product attention (two paths) and multi-head attention with a KV cache.
+"""Masks, scaled dot-product attention (the einsum and XLA paths here, the fused kernels in
+kernels.py) and multi-head attention with a KV cache.
 
 Shapes: B batch, T query length, S key length, N heads, H head dimension (d_k).
-Masks are boolean, True where a query may attend to a key, shaped (B, 1, T, S) so they
-broadcast over heads.
+A model describes its masks as an `AttentionMask` (segment ids and a causal flag), which
+each path turns into what it takes: the einsum and XLA paths a dense boolean (B, 1, T, S)
+mask, True where a query may attend to a key; the kernels lengths, offsets or segment ids.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import warnings
 from typing import Callable
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 
 from transformer_jax.config import TransformerConfig
+from transformer_jax.modules import kernels
 from transformer_jax.sharding import partitioned
 
 Array = jax.Array
@@ -51,6 +55,38 @@ def combine_masks(*masks: Array | None) -> Array | None:
   for m in given[1:]:
     out = jnp.logical_and(out, m)
   return out
+
+
+@flax.struct.dataclass
+class AttentionMask:
+  """Which keys each query may see, in the form the kernels take. `query_segments` (B, T)
+  and `key_segments` (B, S) are int32, 0 at padding. Unpacked rows (`packed` False): every
+  query sees every real key (segments are 1 and 0). Packed rows: a query sees the keys of
+  its own segment. `causal`: and no later key (T == S)."""
+  query_segments: Array
+  key_segments: Array
+  causal: bool = flax.struct.field(pytree_node=False, default=False)
+  packed: bool = flax.struct.field(pytree_node=False, default=False)
+
+  @classmethod
+  def build(cls, query_valid: Array, key_valid: Array, query_segments: Array | None = None,
+            key_segments: Array | None = None, causal: bool = False) -> "AttentionMask":
+    """From (B, T) and (B, S) validity and, for packed rows, their segment ids."""
+    if query_segments is not None and key_segments is not None:
+      queries = jnp.where(query_valid, query_segments, 0).astype(jnp.int32)
+      keys = jnp.where(key_valid, key_segments, 0).astype(jnp.int32)
+      return cls(queries, keys, causal=causal, packed=True)
+    return cls(query_valid.astype(jnp.int32), key_valid.astype(jnp.int32), causal=causal)
+
+  def dense(self) -> Array:
+    """The (B, 1, T, S) boolean mask. A padding query sees what a real one would (packed:
+    nothing, a fully masked row), and its output is never read."""
+    mask = padding_mask(self.query_segments != 0, self.key_segments != 0)
+    if self.packed:
+      mask = jnp.logical_and(mask, segment_mask(self.query_segments, self.key_segments))
+    if self.causal:
+      mask = jnp.logical_and(mask, causal_mask(self.query_segments.shape[1]))
+    return mask
 
 
 # ------------------------------------------------------------------- dot-product attention
@@ -122,36 +158,72 @@ def _divide_backward(dtype: jnp.dtype, residuals: tuple[Array, Array],
 _divide_by_row_sums.defvjp(_divide_forward, _divide_backward)
 
 
-def dot_product_attention(query: Array, key: Array, value: Array, mask: Array | None,
+def dot_product_attention(query: Array, key: Array, value: Array,
+                          mask: AttentionMask | Array | None,
                           implementation: str = "xla") -> Array:
   """Attention output (B, T, N, H).
 
-  "einsum" is the explicit path, `attend`; "xla" and "cudnn" go through
-  `jax.nn.dot_product_attention`. "cudnn" (cuDNN flash attention) runs where the backend is
-  an NVIDIA GPU and cuDNN accepts the dtype and shapes (bf16/fp16, head dim a multiple of 8,
-  ...); elsewhere it falls back to "xla" with a warning naming the reason.
+  "einsum" is the explicit path, `attend`; "xla" goes through
+  `jax.nn.dot_product_attention` with a dense mask; "cudnn" and "splash" are the fused
+  kernels of kernels.py, which take the `AttentionMask` natively; "auto" is the fastest
+  exact one on the platform being compiled for (the einsum path on a CPU). A kernel on the
+  wrong backend falls back to "xla" with a warning naming the reason; a dense mask (the
+  decoding cache's) takes the einsum or XLA path.
   """
+  implementation = kernels.resolve(implementation)
+  if implementation in kernels.KERNELS and isinstance(mask, AttentionMask):
+    fused = _fused_attention(query, key, value, mask, implementation)
+    if fused is not None:
+      return fused
+  if isinstance(mask, AttentionMask):
+    mask = mask.dense()
   if implementation == "einsum":
     return attend(query, key, value, mask)
   if mask is not None:
     mask = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
-  if implementation == "cudnn":
-    if jax.default_backend() != "gpu":
-      _warn_fallback(f"the backend is {jax.default_backend()!r}, not an NVIDIA GPU")
-    else:
-      try:  # cuDNN checks dtype and shapes when the call is traced.
-        return jax.nn.dot_product_attention(query, key, value, mask=mask,
-                                            implementation="cudnn")
-      except (NotImplementedError, ValueError, RuntimeError) as e:
-        # A genuine input error raises again from the XLA path below.
-        _warn_fallback(f"{type(e).__name__}: {e}")
   return jax.nn.dot_product_attention(query, key, value, mask=mask, implementation="xla")
 
 
+def _fused_attention(query: Array, key: Array, value: Array, mask: AttentionMask,
+                     implementation: str) -> Array | None:
+  """The kernel's output, or None (with a warning) where it cannot run. Traced for a
+  target platform (aot), a kernel that cannot run is an error: the plan would be of
+  another program."""
+  platform = kernels.platform()
+  if platform not in _KERNEL_PLATFORMS[implementation]:
+    return _cannot_run(implementation, f"the backend is {platform!r}")
+  if implementation == "splash":
+    kernel = functools.partial(kernels.splash_attention, causal=mask.causal)
+  else:
+    kernel = functools.partial(kernels.cudnn_attention, causal=mask.causal, packed=mask.packed)
+  try:  # The kernels check dtypes and shapes when the call is traced.
+    return kernels.per_device(kernel, query, key, value, mask.query_segments,
+                              mask.key_segments)
+  except (NotImplementedError, ValueError, RuntimeError) as e:
+    # A genuine input error raises again from the XLA path.
+    return _cannot_run(implementation, f"{type(e).__name__}: {str(e).strip().splitlines()[0]}")
+
+
+def _cannot_run(implementation: str, reason: str) -> Array | None:
+  """None, after a warning; traced for a target platform, a KernelError instead."""
+  if kernels.planning():
+    hint = (" (cuDNN's library is needed to trace it: pip install -r requirements-gpu.txt)"
+            if "cuDNN not found" in reason else "")
+    raise kernels.KernelError(f"model.attention_impl={implementation!r} cannot be traced for "
+                              f"{kernels.platform()!r}: {reason}{hint}; plan "
+                              "--config.model.attention_impl=einsum instead")
+  _warn_fallback(implementation, reason)
+  return None
+
+
+_KERNEL_PLATFORMS = {"cudnn": ("gpu", "cuda"), "splash": ("tpu",)}
+
+
 @functools.lru_cache(maxsize=None)
-def _warn_fallback(reason: str) -> None:
+def _warn_fallback(implementation: str, reason: str) -> None:
   """Warns once per distinct reason (tracing can hit the same fallback many times)."""
-  warnings.warn(f"attention_impl='cudnn' falls back to 'xla': {reason}", stacklevel=3)
+  warnings.warn(f"attention_impl={implementation!r} falls back to 'xla': {reason}",
+                stacklevel=4)
 
 
 # ----------------------------------------------------------------------- multi-head module
@@ -202,7 +274,8 @@ class MultiHeadAttention(nn.Module):
     return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]                  # (B, T, N, H) each
 
   @nn.compact
-  def __call__(self, inputs_q: Array, inputs_kv: Array | None, mask: Array | None = None, *,
+  def __call__(self, inputs_q: Array, inputs_kv: Array | None,
+               mask: AttentionMask | Array | None = None, *,
                train: bool = False, decode: bool = False) -> Array:
     cfg = self.config
     if self.role == "cross":
@@ -218,16 +291,22 @@ class MultiHeadAttention(nn.Module):
       if decode:
         key, value, mask = self._append_to_cache(key, value, mask)
 
-    explicit = cfg.attention_impl == "einsum" or (train and cfg.attention_dropout_rate > 0)
+    implementation = kernels.resolve(cfg.attention_impl)
+    if decode and implementation in kernels.KERNELS:
+      implementation = "xla"   # one query a step against the cache: nothing to fuse
+    if train:
+      kernels.check_dropout(implementation, cfg.attention_dropout_rate)
+    explicit = implementation == "einsum" or (train and cfg.attention_dropout_rate > 0)
     dropout = nn.Dropout(cfg.attention_dropout_rate, deterministic=not train)
+    dense = mask.dense() if isinstance(mask, AttentionMask) else mask   # explicit paths only
     if explicit and self.is_mutable_collection("intermediates"):   # attention maps
-      weights = attention_weights(query, key, mask)
+      weights = attention_weights(query, key, dense)
       self.sow("intermediates", "attention_weights", weights)
       out = jnp.einsum("bnts,bsnh->btnh", dropout(weights), value)
     elif explicit:
-      out = attend(query, key, value, mask, dropout)
+      out = attend(query, key, value, dense, dropout)
     else:
-      out = dot_product_attention(query, key, value, mask, cfg.attention_impl)
+      out = dot_product_attention(query, key, value, mask, implementation)
 
     return nn.DenseGeneral(
         features=cfg.d_model, axis=(-2, -1), dtype=cfg.compute_dtype,
@@ -248,8 +327,8 @@ class MultiHeadAttention(nn.Module):
       self.put_variable("cache", "cross_value", value)
     return key, value
 
-  def _append_to_cache(self, key: Array, value: Array,
-                       mask: Array | None) -> tuple[Array, Array, Array | None]:
+  def _append_to_cache(self, key: Array, value: Array, mask: AttentionMask | Array | None
+                       ) -> tuple[Array, Array, AttentionMask | Array | None]:
     """Self-attention decoding: on the initializing call (full-length dummy input) the cache
     is created with the input's length; later calls take one token each."""
     initialized = self.has_variable("cache", "cached_key")

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 
 from transformer_jax.config import TransformerConfig
-from transformer_jax.modules.attention import MultiHeadAttention
+from transformer_jax.modules.attention import AttentionMask, MultiHeadAttention
 from transformer_jax.sharding import partitioned
 
 Array = jax.Array
@@ -56,7 +56,7 @@ class EncoderLayer(nn.Module):
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x: Array, mask: Array | None, *, train: bool = False) -> Array:
+  def __call__(self, x: Array, mask: AttentionMask | None, *, train: bool = False) -> Array:
     cfg = self.config
     dropout = nn.Dropout(cfg.dropout_rate, deterministic=not train)
     attention = MultiHeadAttention(cfg, "self", name="self_attention")
@@ -73,8 +73,8 @@ class DecoderLayer(nn.Module):
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
-               cross_mask: Array | None, *, train: bool = False,
+  def __call__(self, y: Array, encoded: Array | None, self_mask: AttentionMask | None,
+               cross_mask: AttentionMask, *, train: bool = False,
                decode: bool = False) -> Array:
     cfg = self.config
     dropout = nn.Dropout(cfg.dropout_rate, deterministic=not train)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.config import BOS_ID, PAD_ID, TransformerConfig
-from transformer_jax.modules.attention import causal_mask, combine_masks, padding_mask, segment_mask
+from transformer_jax.modules.attention import AttentionMask
 from transformer_jax.modules.embedding import (
   CharacterFeatures,
   InputEmbedding,
@@ -69,12 +69,6 @@ def apply_layers(cfg: TransformerConfig, make_layer: Callable[[str], nn.Module],
   return x
 
 
-def _segments(query_segments: Array | None, key_segments: Array | None) -> Array | None:
-  if query_segments is None or key_segments is None:
-    return None
-  return segment_mask(query_segments, key_segments)
-
-
 class Encoder(nn.Module):
   """Embedding + N encoder layers (+ final LayerNorm when pre-LN). Output (B, S, d_model).
   `features` (B, S, d_model), if given, are added to the token embeddings."""
@@ -89,7 +83,7 @@ class Encoder(nn.Module):
     cfg = self.config
     embedding = self.embedding or token_embedding(cfg, cfg.vocab_size, "embedding")
     valid = tokens != PAD_ID
-    mask = combine_masks(padding_mask(valid, valid), _segments(segment_ids, segment_ids))
+    mask = AttentionMask.build(valid, valid, segment_ids, segment_ids)
     if positions is None:
       positions = default_positions(tokens)
     x = InputEmbedding(cfg, embedding, name="input_embedding")(tokens, positions,
@@ -109,27 +103,33 @@ class Decoder(nn.Module):
   With `decode=True` the call steps a KV cache: the first call creates the cache from a
   full-length dummy target and the encoder output; each later call takes one token (B, 1)
   with its `positions` and may pass `encoded=None` (cross keys/values are cached).
+  `return_hidden=True` returns the final hidden states (B, T, D) instead of logits; a call
+  with `hidden=` those states runs only the output layer on them (a loss that projects the
+  tokens a slice at a time: tasks/losses.py `tiled_cross_entropy_sums`).
   """
 
   config: TransformerConfig
   embedding: nn.Embed | None = None
 
   @nn.compact
-  def __call__(self, encoded: Array | None, src_tokens: Array, tgt_tokens: Array, *,
-               tgt_positions: Array | None = None, src_segment_ids: Array | None = None,
-               tgt_segment_ids: Array | None = None, train: bool = False,
-               decode: bool = False) -> Array:
+  def __call__(self, encoded: Array | None, src_tokens: Array | None,
+               tgt_tokens: Array | None, *, tgt_positions: Array | None = None,
+               src_segment_ids: Array | None = None, tgt_segment_ids: Array | None = None,
+               train: bool = False, decode: bool = False, return_hidden: bool = False,
+               hidden: Array | None = None) -> Array:
     cfg = self.config
     embedding = self.embedding or token_embedding(cfg, cfg.tgt_vocab_size, "embedding")
+    if hidden is not None:
+      return self._output_layer(embedding, hidden, train)
+    assert src_tokens is not None and tgt_tokens is not None
     tgt_valid = tgt_tokens != PAD_ID
     if decode:  # The cache builds the causal mask from its own index.
       self_mask = None
     else:
-      self_mask = combine_masks(causal_mask(tgt_tokens.shape[1]),
-                                padding_mask(tgt_valid, tgt_valid),
-                                _segments(tgt_segment_ids, tgt_segment_ids))
-    cross_mask = combine_masks(padding_mask(tgt_valid, src_tokens != PAD_ID),
-                               _segments(tgt_segment_ids, src_segment_ids))
+      self_mask = AttentionMask.build(tgt_valid, tgt_valid, tgt_segment_ids,
+                                      tgt_segment_ids, causal=True)
+    cross_mask = AttentionMask.build(tgt_valid, src_tokens != PAD_ID, tgt_segment_ids,
+                                     src_segment_ids)
     if tgt_positions is None:
       tgt_positions = default_positions(tgt_tokens)
 
@@ -141,6 +141,12 @@ class Decoder(nn.Module):
                      decode=decode)
     if cfg.norm_position == "pre":
       y = layer_norm(cfg, "final_norm")(y)
+    return y if return_hidden else self._output_layer(embedding, y, train)
+
+  @nn.nowrap
+  def _output_layer(self, embedding: nn.Embed, y: Array, train: bool) -> Array:
+    """Final hidden states (..., D) -> float32 logits (..., V)."""
+    cfg = self.config
     if cfg.tie_output and train:
       logits = tied_projection(y.astype(cfg.compute_dtype),
                                embedding.embedding.astype(cfg.compute_dtype))
@@ -190,12 +196,19 @@ class Transformer(nn.Module):
 
   def __call__(self, src: Array, tgt: Array, *, src_positions: Array | None = None,
                tgt_positions: Array | None = None, src_segment_ids: Array | None = None,
-               tgt_segment_ids: Array | None = None, train: bool = False) -> Array:
+               tgt_segment_ids: Array | None = None, train: bool = False,
+               return_hidden: bool = False) -> Array:
+    """Logits (B, T, V), or with `return_hidden` the decoder's final hidden states
+    (B, T, D), which `output_logits` turns into logits."""
     encoded = self.encode(src, src_positions=src_positions, src_segment_ids=src_segment_ids,
                           train=train)
-    return self.decode(encoded, src, tgt, tgt_positions=tgt_positions,
-                       src_segment_ids=src_segment_ids, tgt_segment_ids=tgt_segment_ids,
-                       train=train)
+    return self.decoder(encoded, src, tgt, tgt_positions=tgt_positions,
+                        src_segment_ids=src_segment_ids, tgt_segment_ids=tgt_segment_ids,
+                        train=train, return_hidden=return_hidden)
+
+  def output_logits(self, hidden: Array, train: bool = False) -> Array:
+    """The output layer alone: final hidden states (..., D) -> float32 logits (..., V)."""
+    return self.decoder(None, None, None, hidden=hidden, train=train)
 
 
 POOLINGS = ("mean", "max", "first")

@@ -6,8 +6,9 @@ manifest with `read_manifest`.
   vocab.json (+ .model), target_vocab.json  the tokenizer files (data/tokenizer.py)
   labels.json         class or tag names, for tasks that have them
   manifest.json       format, task, output kind, max_len, special ids, decode options, the
-                      task's constants (a CRF tagger's transition scores), provenance, the
-                      files' SHA-256 and fingerprint, and the format's own fields.
+                      line policy ("lines": too_long, truncate, br_tags), the task's
+                      constants (a CRF tagger's transition scores), provenance, the files'
+                      SHA-256 and fingerprint, and the format's own fields.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Callable
 
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer_jax.data.tokenizer import TARGET_VOCAB_FILE, VOCAB_FILE
+from transformer_jax.serving.line_policy import LinePolicy
 
 LABELS_FILE, MANIFEST_FILE = "labels.json", "manifest.json"
 
@@ -44,11 +46,13 @@ def _fingerprint(files: dict[str, str]) -> str:
 
 def write_directory(task: Any, params: Any, decode: Any, output: str,
                     write_model: Callable[[str], dict[str, Any]], *,
-                    source: dict[str, Any] | None = None) -> dict[str, Any]:
+                    source: dict[str, Any] | None = None,
+                    lines: LinePolicy | None = None) -> dict[str, Any]:
   """Writes the artifact of `task` (a tasks.Task with its tokenizers and labels) with
   `params` and the decode options `decode` to the new directory `output`, atomically (a
   temporary directory renamed when complete). `write_model(directory)` writes the format's model files and returns its manifest fields
-  (at least "format" and "format_version"). Returns the manifest."""
+  (at least "format" and "format_version"); `lines`: what the server does to an input line
+  (serving/line_policy.py; default: refuse long lines, keep markup). Returns the manifest."""
   if os.path.exists(output) and os.listdir(output):
     raise FileExistsError(f"{output} exists and is not empty; choose another --output")
   parent = os.path.dirname(os.path.abspath(output))
@@ -71,6 +75,7 @@ def write_directory(task: Any, params: Any, decode: Any, output: str,
         "target_vocab_size": cfg.tgt_vocab_size,
         "special_ids": {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID, "unk": UNK_ID},
         "decode": dataclasses.asdict(decode),
+        "lines": (lines or LinePolicy()).manifest(),
         "labels": task.labels,
         "word_bytes": task.serving_word_bytes(),
         "constants": task.serving_constants(params),

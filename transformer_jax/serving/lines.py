@@ -7,6 +7,11 @@ A loader (serving/stablehlo.py) gives `Served` the artifact's checked manifest a
 model's function `(tokens (B, S) int32[, chars (B, S, word_bytes) int32]) -> output`, the
 array the task's `serving_function` returns; everything here is the same for any format.
 
+Each line is cleaned and fitted to the model as predict does it (serving/line_policy.py,
+the manifest's "lines"): a line without tokens gets an empty output without a model call; a
+longer line than max_len is refused, truncated, or (a tagger) run as overlapping windows of
+max_len tokens whose per-token scores are stitched before the tags are decoded.
+
 Rows are padded by repeating the last line, which ends a search no later than it, so a
 server compiles few shapes and the padding changes no real row's output.
 """
@@ -22,8 +27,10 @@ from transformer_jax import bio
 from transformer_jax.config import PAD_ID
 from transformer_jax.data.tokenizer import TARGET_VOCAB_FILE, VOCAB_FILE, load_tokenizer
 from transformer_jax.data.vocab import strip_special
+from transformer_jax.errors import UserError
 from transformer_jax.inputs import InputError, bucket_for, bucket_lengths, character_ids
 from transformer_jax.serving.artifact import ArtifactError
+from transformer_jax.serving.line_policy import LinePolicy, kept_tokens, stitch, window_starts
 
 DEFAULT_MAX_ROWS = 64
 
@@ -34,22 +41,27 @@ ModelFunction = Callable[[np.ndarray, "np.ndarray | None"], np.ndarray]
 
 class EncodedLine(NamedTuple):
   """A line as the model takes it: its token ids and, for a model with character
-  features, its words' bytes (len(ids), word_bytes)."""
+  features, its words' bytes (len(ids), word_bytes). Longer than max_len only when the
+  line policy runs it in windows."""
   ids: list[int]
   chars: np.ndarray | None = None
 
 
 # ------------------------------------------------------------------- outputs to text
-def _token_ids(served: "Served", out: np.ndarray, lengths: Sequence[int]) -> list[str]:
+# Each takes the model's output row of each line (a tagger's long line: its windows'
+# rows stitched) and the line's length in tokens.
+def _token_ids(served: "Served", out: Sequence[np.ndarray], lengths: Sequence[int]) -> list[str]:
   return [served.target_tokenizer.decode(strip_special(row)) for row in out]
 
 
-def _class_scores(served: "Served", out: np.ndarray, lengths: Sequence[int]) -> list[str]:
+def _class_scores(served: "Served", out: Sequence[np.ndarray],
+                  lengths: Sequence[int]) -> list[str]:
   assert served.labels   # checked at load
-  return [served.labels[i] for i in out.argmax(-1)]
+  return [served.labels[int(np.argmax(row))] for row in out]
 
 
-def _tag_scores(served: "Served", out: np.ndarray, lengths: Sequence[int]) -> list[str]:
+def _tag_scores(served: "Served", out: Sequence[np.ndarray],
+                lengths: Sequence[int]) -> list[str]:
   assert served.labels and served.transitions is not None   # checked at load
   crf = served.constants.get("crf")   # emission scores + the CRF's transitions
   learned = ((np.asarray(crf["start"]), np.asarray(crf["transitions"]), np.asarray(crf["end"]))
@@ -60,7 +72,7 @@ def _tag_scores(served: "Served", out: np.ndarray, lengths: Sequence[int]) -> li
 
 
 # Output kind (Task.serving_output) -> rows of the model's output to text lines.
-OUTPUTS: dict[str, Callable[["Served", np.ndarray, Sequence[int]], list[str]]] = {
+OUTPUTS: dict[str, Callable[["Served", Sequence[np.ndarray], Sequence[int]], list[str]]] = {
     "token_ids": _token_ids, "class_scores": _class_scores, "tag_scores": _tag_scores}
 
 
@@ -87,6 +99,10 @@ class Served:
     target = os.path.join(directory, TARGET_VOCAB_FILE)
     self.target_tokenizer = load_tokenizer(target) if os.path.exists(target) else self.tokenizer
     self.transitions = bio.allowed_transitions(self.labels) if self.labels else None
+    try:   # what the training did to lines; `serve --too_long` may replace it
+      self.policy = LinePolicy.from_manifest(manifest.get("lines"))
+    except UserError as e:
+      raise ArtifactError(f"{directory}: manifest \"lines\": {e}; export the model again") from None
     self._outputs = OUTPUTS[manifest["output"]]
 
   @classmethod
@@ -100,22 +116,25 @@ class Served:
     return self.manifest["fingerprint"]
 
   def encode(self, lines: Sequence[Any]) -> list[EncodedLine]:
-    """Token ids (and word bytes) per line; InputError for a line that is not a string,
-    that the tokenizer rejects, or that is longer than max_len tokens."""
+    """Token ids (and word bytes) per line, cleaned and fitted to max_len by the line
+    policy; InputError naming the line for one that is not a string, that the tokenizer
+    rejects, or that is longer than max_len tokens and refused."""
     encoded = []
     for index, line in enumerate(lines):
       if not isinstance(line, str):
         raise InputError(f"input {index}: expected a string, got {type(line).__name__}")
+      text = self.policy.clean(line)
       try:
-        ids = self.tokenizer.encode(line)
+        ids = np.asarray(self.tokenizer.encode(text), np.int32)
       except ValueError as e:    # e.g. a symbol outside a symbol vocabulary
         raise InputError(f"input {index}: {e}") from None
-      if len(ids) > self.max_len:
-        raise InputError(f"input {index}: {len(ids)} tokens exceed the model's "
-                         f"max_len={self.max_len}; shorten or split it")
       # Word-level tokenizers split on whitespace, as the tasks' featurizers do.
-      chars = character_ids(line.split(), self.word_bytes) if self.word_bytes else None
-      encoded.append(EncodedLine(ids, chars))
+      chars = character_ids(text.split(), self.word_bytes) if self.word_bytes else None
+      if self.policy.action(len(ids), self.max_len, f"input {index}") == "truncate":
+        ids = kept_tokens(ids, self.max_len, self.policy.truncate)
+        chars = None if chars is None else kept_tokens(chars, self.max_len,
+                                                       self.policy.truncate)
+      encoded.append(EncodedLine(ids.tolist(), chars))
     return encoded
 
   def run(self, tokens: np.ndarray, chars: np.ndarray | None = None) -> np.ndarray:
@@ -147,15 +166,43 @@ class Served:
 
   def predict_bucket(self, lines: Sequence[EncodedLine],
                      length: int) -> tuple[list[str], list[int]]:
-    """One model call on at most max_rows lines padded to `length` (their bucket): the
-    outputs, and each line's output length in tokens (a translation's up to EOS; for
-    other tasks the line's own)."""
-    out = self.run(*self._pad(lines, length))[:len(lines)]
-    lengths = [len(line.ids) for line in lines]
-    texts = self._outputs(self, out, lengths)
-    if self.manifest["output"] == "token_ids":
-      lengths = [len(strip_special(row)) for row in out]
+    """The outputs of lines of one bucket (padded to `length`), in model calls of at most
+    max_rows rows (a long line's windows are rows of their own); and each line's output
+    length in tokens (a translation's up to EOS; for other tasks the line's own)."""
+    rows: list[EncodedLine] = []                 # the model's rows
+    spans: list[tuple[int, list[int]]] = []      # per line: its first row, its windows
+    for line in lines:
+      starts = window_starts(len(line.ids), self.max_len) if line.ids else []
+      spans.append((len(rows), starts))
+      rows += [EncodedLine(line.ids[s:s + self.max_len],
+                           None if line.chars is None else line.chars[s:s + self.max_len])
+               for s in starts]
+    out = [row for first in range(0, len(rows), self.max_rows)
+           for row in self._call(rows[first:first + self.max_rows], length)]
+    answered = [i for i, (_, starts) in enumerate(spans) if starts]   # others: no tokens
+    outputs = []
+    for i in answered:
+      first, starts = spans[i]
+      outputs.append(self._joined(out[first:first + len(starts)], starts, len(lines[i].ids)))
+    texts, lengths = [""] * len(lines), [0] * len(lines)
+    answers = self._outputs(self, outputs, [len(lines[i].ids) for i in answered])
+    for i, text, row in zip(answered, answers, outputs):
+      texts[i] = text
+      lengths[i] = (len(strip_special(row)) if self.manifest["output"] == "token_ids"
+                    else len(lines[i].ids))
     return texts, lengths
+
+  def _joined(self, rows: Sequence[np.ndarray], starts: list[int], total: int) -> np.ndarray:
+    """A line's output from its rows': its one row, or its windows' stitched."""
+    if len(rows) == 1:
+      return rows[0]
+    return stitch([row[:self.max_len] for row in rows], starts, total, self.max_len)
+
+  def _call(self, rows: Sequence[EncodedLine], length: int) -> list[np.ndarray]:
+    """The model's output row for each of at most max_rows rows, padded to `length`."""
+    if not rows:
+      return []
+    return list(self.run(*self._pad(rows, length))[:len(rows)])
 
   def _pad(self, lines: Sequence[EncodedLine],
            length: int) -> tuple[np.ndarray, np.ndarray | None]:

@@ -1,15 +1,18 @@
 """The HTTP server of a served model (the command is transformer_jax/serve.py):
 
   POST /v1/predict  {"inputs": ["line", ...]}  ->  200 {"outputs": ["output", ...]}
-  GET  /healthz     ->  200 {"status": "ok", "name", "version", "task", "fingerprint"}
+  GET  /healthz     ->  200 {"status": "ok", "name", "version", "task", "fingerprint",
+                              "device", "device_kind"}
   GET  /metrics     ->  200 Prometheus text format (serving/metrics.py)
 
 Every error is answered with a JSON body {"error": "..."}: 400 for bad input (no or invalid
-JSON, no "inputs" list, a non-string, a line over the model's max_len tokens), 413 for a
+JSON, no "inputs" list, a non-string, a line over the model's max_len tokens that the line
+policy refuses: translation, or --too_long=refuse; serving/line_policy.py), 413 for a
 body over --max_body_bytes or more than --max_inputs lines, 404 for an unknown path, 405
-for a method a path does not take, 503 while shutting down. A refused body is still read
-(up to DRAIN_LIMIT bytes), so that a client that sends it before reading the answer gets
-the 413 rather than a broken pipe.
+for a method a path does not take, 503 while shutting down, 500 when the model call fails
+(out of GPU memory: naming the variables that share a GPU, serving/device.py). A refused
+body is still read (up to DRAIN_LIMIT bytes), so that a client that sends it before reading
+the answer gets the 413 rather than a broken pipe.
 
 Built on the standard library's ThreadingHTTPServer: one thread per connection parses and
 checks the request, and the batcher's one thread runs the model. The model call is the
@@ -27,6 +30,7 @@ import time
 from typing import Any, Callable
 
 from transformer_jax.inputs import InputError
+from transformer_jax.serving import device
 from transformer_jax.serving.batching import Batcher
 from transformer_jax.serving.lines import Served
 
@@ -93,7 +97,9 @@ class InFlight:
 def make_handler(served: Served, batcher: Batcher, limits: Limits, identity: dict[str, str],
                  in_flight: InFlight, log_request: Callable[[dict], None] | None = None,
                  ) -> type[http.server.BaseHTTPRequestHandler]:
-  """The request handler class for one loaded model; `identity`: its name and version."""
+  """The request handler class for one loaded model; `identity`: what /healthz says of it
+  besides its task and fingerprint (name, version, and device and device_kind: where it
+  runs)."""
   metrics = batcher.metrics
 
   class Handler(http.server.BaseHTTPRequestHandler):
@@ -180,7 +186,8 @@ def make_handler(served: Served, batcher: Batcher, limits: Limits, identity: dic
       try:
         outputs, record = batcher.predict(encoded)
       except RuntimeError as e:
-        self._answer(500, {"error": f"the model failed: {e}"}, started=started)
+        hint = f"; {device.MEMORY_HINT}" if device.out_of_memory(e) else ""
+        self._answer(500, {"error": f"the model failed: {e}{hint}"}, started=started)
         return
       self._answer(200, {"outputs": outputs}, started=started)
       if log_request is not None:

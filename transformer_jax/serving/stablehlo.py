@@ -37,6 +37,7 @@ from transformer_jax import trees
 from transformer_jax.config import PAD_ID
 from transformer_jax.serving import artifact
 from transformer_jax.serving.artifact import ArtifactError
+from transformer_jax.serving.line_policy import LinePolicy
 from transformer_jax.serving.lines import DEFAULT_MAX_ROWS, Served
 
 FORMAT, FORMAT_VERSION = "transformer_jax.stablehlo", 1
@@ -57,10 +58,13 @@ def _storable(x: np.ndarray) -> np.ndarray:
 
 def write_artifact(task: Any, params: Any, decode: Any, output: str, *,
                    platforms: Sequence[str] | None = None,
-                   source: dict[str, Any] | None = None) -> dict[str, Any]:
+                   source: dict[str, Any] | None = None,
+                   lines: LinePolicy | None = None) -> dict[str, Any]:
   """Exports `task` (a tasks.Task with its tokenizers and labels) with `params` and the
   decode options `decode` to the new directory `output`; returns the manifest. `platforms`:
-  jax.export platforms (default: this machine's). `source`: provenance for the manifest."""
+  jax.export platforms (default: this machine's). `source`: provenance for the manifest.
+  `lines`: what the server does to a line, as the model's training did (default: refuse
+  long lines, keep markup)."""
   if os.path.exists(output) and os.listdir(output):    # before the export's minutes
     raise FileExistsError(f"{output} exists and is not empty; choose another --output")
   # The names are the params.npz keys and the manifest's "params".
@@ -103,7 +107,8 @@ def write_artifact(task: Any, params: Any, decode: Any, output: str, *,
         "calling_convention_version": exported.calling_convention_version,
         "platforms": list(exported.platforms),
     }
-  return artifact.write_directory(task, params, decode, output, write_model, source=source)
+  return artifact.write_directory(task, params, decode, output, write_model, source=source,
+                                  lines=lines or LinePolicy())
 
 
 # ----------------------------------------------------------------------------- reading

@@ -34,6 +34,7 @@ from transformer_jax.data.pipeline import EvalBatch
 from transformer_jax.errors import UserError
 from transformer_jax.inputs import check_token_ids
 from transformer_jax.options import DataOptions, DecodeOptions
+from transformer_jax.serving.line_policy import LinePolicy, kept_tokens
 
 Batch = dict[str, jax.Array]
 Example = dict[str, np.ndarray]
@@ -73,14 +74,6 @@ def padded_getter(packed: dict[str, np.ndarray], rows: int) -> Callable[[str], n
   return get
 
 
-def kept_tokens(x: np.ndarray, length: int, keep: str) -> np.ndarray:
-  """The `length` entries of x's first axis that truncation keeps (see Task.truncate)."""
-  if len(x) <= length:
-    return x
-  head = {"head": length, "tail": 0, "head_tail": length // 4}[keep]
-  return np.concatenate([x[:head], x[len(x) - (length - head):]])
-
-
 def check_label_smoothing(value: float) -> None:
   if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
     raise UserError(f"label_smoothing={value!r}: must be in [0, 1)")
@@ -108,6 +101,10 @@ class Task(abc.ABC):
   # its sequence features share one token axis.
   can_split: ClassVar[bool] = True
   has_target_text: ClassVar[bool] = False   # a target side with a tokenizer of its own
+  # What inference does with a line longer than the model, as training did (serving/
+  # line_policy.py): "truncate" it, tag it in overlapping "window"s (a task whose outputs
+  # are per token: `predict_scores`), or "refuse" it.
+  long_inputs: ClassVar[str] = "refuse"
 
   def __init__(self, model_config: TransformerConfig, *, tokenizer: Any = None,
                target_tokenizer: Any = None, labels: Sequence[str] | None = None,
@@ -181,8 +178,17 @@ class Task(abc.ABC):
     """The example cut into consecutive pieces of `length` tokens (the last may be
     shorter), each with the example's other features (a class label stays with each)."""
     total = self.example_length(example)
-    return [{k: v[start:start + length] if k in self.sequence_keys else v
-             for k, v in example.items()} for start in range(0, total, length)]
+    return [self.window(example, start, length) for start in range(0, total, length)]
+
+  def window(self, example: Example, start: int, length: int) -> Example:
+    """Tokens start .. start + length - 1 of the example, with its other features."""
+    return {k: v[start:start + length] if k in self.sequence_keys else v
+            for k, v in example.items()}
+
+  def line_policy(self, data: DataOptions) -> LinePolicy:
+    """What inference does to an input line, as training on `data` did (the default of
+    predict's and the server's --too_long; an artifact's manifest keeps it)."""
+    return LinePolicy(too_long=self.long_inputs, truncate=data.truncate)
 
   def packing_lengths(self, length: int, max_per_row: int | None) -> dict[str, int]:
     """Grain's packing `length_struct`: `length` slots per sequence feature."""
@@ -220,9 +226,11 @@ class Task(abc.ABC):
     """The Flax module of this task (also used with other attention implementations)."""
 
   def init_params(self, rng: jax.Array) -> Any:
-    """Parameters (boxed with their logical axis names); shapes do not depend on length."""
+    """Parameters (boxed with their logical axis names); shapes do not depend on length.
+    Initialised through the einsum attention: the attention path does not change the
+    parameters, and a fused kernel may not take the dummy's 4 tokens."""
     dummy = jnp.ones((1, 4), jnp.int32)
-    return self.model.init(rng, *[dummy] * self.model_inputs)["params"]
+    return self._einsum_model().init(rng, *[dummy] * self.model_inputs)["params"]
 
   model_inputs: ClassVar[int] = 1   # token arrays the model's __call__ takes
 
@@ -269,6 +277,16 @@ class Task(abc.ABC):
               decode: DecodeOptions) -> list[str]:
     """One output line per row of `batch` (one example per row): a translation, a label
     name, or space-separated tags."""
+
+  def predict_scores(self, params: Any, batch: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """Each row's per-token output scores (its real tokens only), which the windows of a
+    long line are stitched from; a task whose long_inputs is "window" defines it."""
+    raise NotImplementedError(f"a {self.name} task does not predict in windows")
+
+  def outputs_from_scores(self, params: Any, rows: Sequence[np.ndarray],
+                          decode: DecodeOptions) -> list[str]:
+    """The output line of each row of `predict_scores` (or of stitched windows)."""
+    raise NotImplementedError(f"a {self.name} task does not predict in windows")
 
   def attention(self, params: Any, text: str, output: str) -> tuple[Any, dict[str, list[str]]]:
     """The attention weights the model sows for one input line `text` whose prediction is

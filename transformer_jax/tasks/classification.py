@@ -8,6 +8,7 @@ holding the label of packed sequence k + 1.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -19,6 +20,7 @@ from transformer_jax.data import readers
 from transformer_jax.errors import UserError
 from transformer_jax.modules.models import POOLINGS, EncoderClassifier
 from transformer_jax.options import DataOptions, DecodeOptions
+from transformer_jax.serving.line_policy import LinePolicy
 from transformer_jax.tasks.base import (
   Batch,
   EvalBatch,
@@ -50,6 +52,7 @@ class ClassificationTask(EncoderTask):
   head_options = {**EncoderTask.head_options, "pooling": "mean"}  # mean | max | first
   needs_labels = True
   serving_output = "class_scores"
+  long_inputs = "truncate"   # to the tokens data.truncate keeps, as training did
 
   # ---------------------------------------------------------------------- data
   @classmethod
@@ -85,6 +88,10 @@ class ClassificationTask(EncoderTask):
   # ------------------------------------------------------------------- records
   def record_from_line(self, line: str) -> dict:
     return {"text": line, "label": 0}
+
+  def line_policy(self, data: DataOptions) -> LinePolicy:
+    """Also `<br />` tags as spaces where the training's text had them so (data.br_tags)."""
+    return dataclasses.replace(super().line_policy(data), br_tags=data.br_tags)
 
   def featurize(self, record: dict) -> Example:
     return {"tokens": ids(self.tokenizer.encode(record["text"])),

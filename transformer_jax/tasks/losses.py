@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
 from transformer_jax.config import PAD_ID
+from transformer_jax.errors import UserError
 
 
 def smoothed_targets(targets: jax.Array, vocab_size: int, smoothing: float) -> jax.Array:
@@ -55,3 +58,33 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, smoothing: float =
   correct = (target_logit >= top).astype(jnp.float32)
   return {"loss": (loss * weights).sum(), "nll": (nll * weights).sum(),
           "correct": (correct * weights).sum(), "weight": weights.sum()}
+
+
+def tiled_cross_entropy_sums(project: Callable[[jax.Array], jax.Array], hidden: jax.Array,
+                             targets: jax.Array, smoothing: float,
+                             tiles: int) -> dict[str, jax.Array]:
+  """`cross_entropy_sums(project(hidden), targets, smoothing)` without ever holding the
+  (tokens, vocabulary) logits whole: the target positions are cut into `tiles` slices (every
+  row keeps its batch sharding), and each slice is projected, reduced to its sums and its
+  logits dropped before the next; the backward pass recomputes each slice's logits. The
+  same sums, label smoothing included; `project` maps hidden states (B, t, D) to logits.
+  """
+  batch, length, depth = hidden.shape
+  if length % tiles:
+    raise UserError(f"model.loss_tiles={tiles} does not divide the {length} target positions "
+                    "of a batch row; choose a divisor of data.max_length")
+  # (B, T, ...) -> (tiles, B, T / tiles, ...): the scan runs over the first axis.
+  tiled = lambda x: jnp.moveaxis(x.reshape(batch, tiles, length // tiles, *x.shape[2:]), 1, 0)
+
+  @jax.checkpoint
+  def tile_sums(h: jax.Array, y: jax.Array) -> dict[str, jax.Array]:
+    return cross_entropy_sums(project(h), y, smoothing)
+
+  def add(total: dict[str, jax.Array], tile: tuple[jax.Array, jax.Array]):
+    sums = tile_sums(*tile)
+    return {k: total[k] + sums[k] for k in total}, None
+
+  zero = jnp.zeros((), jnp.float32)
+  total, _ = jax.lax.scan(add, {k: zero for k in ("loss", "nll", "correct", "weight")},
+                          (tiled(hidden), tiled(targets)))
+  return total

@@ -52,6 +52,7 @@ class TaggingTask(EncoderTask):
   head_options = {**EncoderTask.head_options, "crf": False}
   needs_labels = True
   serving_output = "tag_scores"
+  long_inputs = "window"   # a longer sentence: overlapping windows, stitched per word
 
   def __init__(self, *args: Any, **kwargs: Any):
     super().__init__(*args, **kwargs)
@@ -159,18 +160,33 @@ class TaggingTask(EncoderTask):
     return sums
 
   # ---------------------------------------------------------------- evaluation
+  def predict_scores(self, params: Any, batch: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """Each row's (words, L) scores that the tag decode reads (`_serving_scores`)."""
+    lengths = (batch["tokens"] != PAD_ID).sum(1)
+    scores = np.asarray(self._decode_scores(params, batch))
+    return [row[:n] for row, n in zip(scores, lengths)]
+
+  def outputs_from_scores(self, params: Any, rows: Sequence[np.ndarray],
+                          decode: DecodeOptions) -> list[str]:
+    return [" ".join(tags) for tags in self._tags(params, rows, decode)]
+
+  def _tags(self, params: Any, rows: Sequence[np.ndarray],
+            decode: DecodeOptions) -> list[list[str]]:
+    """Tag names from each row's per-word scores: the best BIO sequence (with the CRF's
+    transition scores), or each word's argmax unless decode.bio_constrained."""
+    learned = tuple(np.asarray(s) for s in crf_scores(params)) if self.head["crf"] else None
+    best = bio.best_tags(rows, [len(r) for r in rows], self._transitions, crf=learned,
+                         constrained=decode.bio_constrained)
+    return [[self.labels[i] for i in row] for row in best]
+
   def predict_tags(self, params: Any, batch: Mapping[str, np.ndarray],
                    decode: DecodeOptions) -> list[list[str]]:
     """Tag names for each row's tokens (one sequence per row)."""
-    lengths = (batch["tokens"] != PAD_ID).sum(1)
-    learned = tuple(np.asarray(s) for s in crf_scores(params)) if self.head["crf"] else None
-    best = bio.best_tags(np.asarray(self._decode_scores(params, batch)), lengths,
-                         self._transitions, crf=learned, constrained=decode.bio_constrained)
-    return [[self.labels[i] for i in row[:n]] for row, n in zip(best, lengths)]
+    return self._tags(params, self.predict_scores(params, batch), decode)
 
   def predict(self, params: Any, batch: Mapping[str, np.ndarray],
               decode: DecodeOptions) -> list[str]:
-    return [" ".join(tags) for tags in self.predict_tags(params, batch, decode)]
+    return self.outputs_from_scores(params, self.predict_scores(params, batch), decode)
 
   def evaluate(self, params: Any, batches: Sequence[EvalBatch], eval_step: EvalStep,
                decode: DecodeOptions) -> tuple[dict[str, float], Samples]:

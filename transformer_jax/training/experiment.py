@@ -27,6 +27,7 @@ from transformer_jax.data.sources import check_data_for_task, make_source, train
 from transformer_jax.data.tokenizer import tokenizer_item
 from transformer_jax.data.vocab import SPECIALS
 from transformer_jax.errors import MissingFileError, UserError
+from transformer_jax.modules import kernels
 from transformer_jax.options import DecodeOptions, EvalOptions, RunOptions, TrainOptions
 from transformer_jax.renamed_fields import upgrade
 from transformer_jax.tasks import Task
@@ -197,6 +198,11 @@ class Experiment:
     sharding.check_batch_fits(train.batch_size // train.grad_accum_steps, mesh,
                               "batch_size/grad_accum_steps")
     _check_model_and_optimizer(options, task_cls)
+    defaults = TransformerConfig.__dataclass_fields__
+    kernels.check_dropout(
+        options.model.get("attention_impl", defaults["attention_impl"].default),
+        options.model.get("attention_dropout_rate", defaults["attention_dropout_rate"].default),
+        on=mesh.devices.flat[0].platform)
     pretrained = _pretrained(train, task_cls)
     source = None
     if data:

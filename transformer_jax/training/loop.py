@@ -180,16 +180,23 @@ def _progress(total: int, initial: int) -> Any:
 
 
 # ------------------------------------------------------------------------------ training
+def start_distributed(config: Any) -> None:
+  """Joins the cluster that config.distributed names (jax.distributed), if it asks to: before
+  anything else uses JAX, and once per process, so that every stage of a recipe runs on the
+  cluster its first call started (later calls leave it as it is)."""
+  distributed = RunOptions.parse(config).distributed
+  if distributed.initialize:
+    sharding.initialize_distributed(distributed.coordinator_address,
+                                    distributed.num_processes, distributed.process_id)
+
+
 def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   """Trains (resuming from W/checkpoints if present), evaluates, and returns the final eval
   metrics. Holds the workdir for the run (a second trainer there is refused) and checks
   that checkpoints can be written there before anything else. `config`: the ml_collections
   config (or the RunOptions parsed from one)."""
   options = RunOptions.parse(config)
-  distributed = options.distributed
-  if distributed.initialize:     # before anything touches the devices
-    sharding.initialize_distributed(distributed.coordinator_address,
-                                    distributed.num_processes, distributed.process_id)
+  start_distributed(options)     # before anything touches the devices
   if jax.process_index() != 0:          # Process 0 holds the lock for every host.
     return _train(options, workdir)
   with WorkdirLock(workdir):
@@ -317,8 +324,10 @@ def _train(options: RunOptions, workdir: str) -> dict[str, float]:
 def _average_newest(experiment: Experiment, workdir: str, available: Sequence[int],
                     count: int) -> tuple[Any, list[int]]:
   """The mean parameters of the newest `count` checkpoints (paper §6.1), written once as
-  the parameter snapshot W/exports/step_<last>_avg<count> (which predict then serves: it is the newest
-  model) and restored onto the mesh; and their steps."""
+  the parameter snapshot W/exports/step_<last>_avg<count> (which predict then serves: it is
+  the newest model) and restored onto the mesh; and their steps. Process 0 averages alone
+  (on the host, whole arrays) while the other processes wait for it; then all of them
+  restore the snapshot together."""
   steps = checkpoint.select_steps(list(available), "latest", count, None)
   path = os.path.join(workdir, checkpoint.SNAPSHOT_DIR, f"step_{steps[-1]}_avg{count}")
   if jax.process_index() == 0 and not os.path.exists(path):   # a re-run reuses it

@@ -20,13 +20,16 @@ import os
 import time
 from typing import Any, Mapping
 
+import jax
+from jax.experimental.multihost_utils import sync_global_devices
+
 from transformer_jax import checkpoint, tasks
 from transformer_jax.config import TransformerConfig
 from transformer_jax.errors import UserError
 from transformer_jax.options import PretrainOptions, RunOptions
 from transformer_jax.tasks.mlm import MaskedLMTask
 from transformer_jax.training.experiment import validate
-from transformer_jax.training.loop import train_and_evaluate
+from transformer_jax.training.loop import start_distributed, train_and_evaluate
 
 PRETRAIN_DIR = "pretrain"
 _EVAL_EXAMPLES = 1000   # the masked-LM evaluation needs no more than this many texts
@@ -85,6 +88,9 @@ def train(config: Any, workdir: str) -> dict[str, float]:
   (skipped once its final checkpoint exists). Returns the fine-tuned run's final metrics
   ({} if a stage was stopped by a signal)."""
   options = RunOptions.parse(config)
+  # Multi-host: the cluster starts before the checks below touch JAX, and both stages run
+  # on it (JAX joins a cluster only before its first use).
+  start_distributed(options)
   if not options.pretrain.enabled:
     return train_and_evaluate(options, workdir)
   if options.train.init_from:
@@ -100,6 +106,8 @@ def train(config: Any, workdir: str) -> dict[str, float]:
     print(f"pretraining stage ({steps} steps of masked-LM) in {workdir}/{PRETRAIN_DIR}")
     if not train_and_evaluate(stage, os.path.join(workdir, PRETRAIN_DIR)):
       return {}
+    if jax.process_count() > 1:   # every host sees the final checkpoint before looking for it
+      sync_global_devices(f"{workdir}/{PRETRAIN_DIR} done")
     print(f"pretraining stage took {time.perf_counter() - started:.0f} s")
   init_from = pretrained_path(workdir, steps)
   print(f"fine-tuning stage from {init_from}")

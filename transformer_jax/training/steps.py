@@ -73,7 +73,8 @@ def _summed_over_replicas(task: Any, grad_accum_steps: int, dtype: str, params_s
 
     def local(params: Any, batch: dict, rng: jax.Array) -> tuple[Any, dict]:
       rng = jax.random.fold_in(rng, jax.lax.axis_index("data"))
-      grads, sums = _grads_and_sums(task, params, batch, rng, grad_accum_steps)
+      with sharding.per_device():
+        grads, sums = _grads_and_sums(task, params, batch, rng, grad_accum_steps)
       grads = jax.tree_util.tree_map(reduce, grads, out_specs,
                                      is_leaf=lambda x: isinstance(x, P))
       return grads, jax.lax.psum(sums, sharding.BATCH_AXES)
