@@ -3,6 +3,10 @@
   python train.py --config=configs/NAME.py --config.num_train_steps=500 --workdir=DIR
 """
 
+import time
+
+_STARTED = time.perf_counter()   # before the imports: the time split's "startup" counts them
+
 import os
 import sys
 
@@ -11,6 +15,7 @@ from ml_collections import config_flags
 
 from transformer_jax import errors
 from transformer_jax.renamed_fields import renamed_overrides
+from transformer_jax.training import timing
 from transformer_jax.training.loop import evaluate_saved
 from transformer_jax.training.recipe import train
 
@@ -36,10 +41,18 @@ _EVAL_ONLY = flags.DEFINE_bool(
 _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", None, "With --eval_only: a parameter snapshot (W/exports/NAME, e.g. an average) or "
     "checkpoint (W/checkpoints/STEP) directory to evaluate.")
+_COMPILATION_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir", os.environ.get("JAX_COMPILATION_CACHE_DIR", ""),
+    "Keep compiled programs in this directory (JAX's persistent compilation cache), so that "
+    "a later run of the same config on the same kind of machine loads them instead of "
+    "compiling; default $JAX_COMPILATION_CACHE_DIR, \"\" = off.")
 
 
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
+  timing.command_started(_STARTED)
+  if _COMPILATION_CACHE_DIR.value:   # before the first compile, which reads the setting
+    timing.use_compilation_cache(_COMPILATION_CACHE_DIR.value)
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])

@@ -86,6 +86,8 @@ def get_config() -> ml_collections.ConfigDict:
   # masked LM on the training text in W/pretrain, then fine-tunes from it in W.
   config.pretrain = ml_collections.ConfigDict(dict(
       enabled=False, num_train_steps=2000,
+      objective="mlm",           # mlm | rtd (replaced-token detection, ELECTRA's)
+      discriminator_weight=50.0,  # rtd: the discriminator loss's weight (ELECTRA's lambda)
       batch_size=0,              # 0: the run's batch_size
       learning_rate=0.0,         # 0: the run's optimizer.learning_rate
       warmup_steps=500, mask_rate=0.15,

@@ -202,6 +202,7 @@ def test_eval_batches_bounded_by_tokens_keep_every_example():
 
 def test_pretraining_and_init_from_together_are_refused(tmp_path):
   config = sst2.get_config()
+  config.pretrain.enabled = True
   config.init_from = str(tmp_path)
   with pytest.raises(UserError, match="pretrain.enabled"):
     recipe.train(config, str(tmp_path / "run"))

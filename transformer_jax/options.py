@@ -28,6 +28,9 @@ TOO_LONG_POLICIES = ("drop", "truncate", "split")
 TRUNCATIONS = ("head", "tail", "head_tail")   # which tokens a truncated example keeps
 SCHEDULES = ("rsqrt", "warmup_cosine", "constant")
 OPTIMIZERS = ("adam", "adamw")
+# The self-pretraining stage's task (training/recipe.py): a masked LM or replaced-token
+# detection; named here so that the schema needs no task import.
+PRETRAIN_OBJECTIVES = ("mlm", "rtd")
 NONFINITE_POLICIES = ("stop", "skip")
 O = TypeVar("O", bound="_Options")
 
@@ -245,8 +248,12 @@ class PretrainOptions(_Options):
   `dropout_rate` / `attention_dropout_rate`: the stage's own (BERT's 0.1 by default; the
   fine-tuning keeps the run's). `max_length`: tokens per packed row, also in evaluation (0: the
   run's). `too_long`: what a longer training text becomes ("": the run's data.too_long;
-  "split" keeps all of a long review, in pieces)."""
+  "split" keeps all of a long review, in pieces). `objective`: the stage's task, "mlm" or
+  "rtd" (replaced-token detection, ELECTRA's; its discriminator loss weighs
+  `discriminator_weight` times the generator's)."""
   enabled: bool = False
+  objective: str = "mlm"
+  discriminator_weight: float = 50.0
   num_train_steps: int = 2000
   batch_size: int = 0
   learning_rate: float = 0.0
@@ -261,6 +268,10 @@ class PretrainOptions(_Options):
 
   def __post_init__(self) -> None:
     check_choice("pretrain.", "too_long", self.too_long, ("", *TOO_LONG_POLICIES))
+    check_choice("pretrain.", "objective", self.objective, PRETRAIN_OBJECTIVES)
+    weight = self.discriminator_weight
+    if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not weight > 0:
+      raise UserError(f"pretrain.discriminator_weight={weight!r}: must be a number > 0")
     for name, low in (("num_train_steps", 1), ("batch_size", 0), ("warmup_steps", 0),
                       ("vocab_size", 0), ("max_length", 0)):
       _integer("pretrain.", name, getattr(self, name), low)

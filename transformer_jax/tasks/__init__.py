@@ -12,6 +12,7 @@ from transformer_jax.options import TrainOptions
 from transformer_jax.tasks.base import EvalBatch, Task
 from transformer_jax.tasks.classification import ClassificationTask
 from transformer_jax.tasks.mlm import MaskedLMTask
+from transformer_jax.tasks.rtd import ReplacedTokenDetectionTask
 from transformer_jax.tasks.seq2seq import Seq2SeqTask
 from transformer_jax.tasks.tagging import TaggingTask
 
@@ -20,7 +21,8 @@ from transformer_jax.tasks.tagging import TaggingTask
 TranslationTask = Seq2SeqTask
 
 TASKS: dict[str, type[Task]] = {
-    t.name: t for t in (Seq2SeqTask, ClassificationTask, TaggingTask, MaskedLMTask)}
+    t.name: t for t in (Seq2SeqTask, ClassificationTask, TaggingTask, MaskedLMTask,
+                        ReplacedTokenDetectionTask)}
 
 
 def task_class(name: str) -> type[Task]:
@@ -49,4 +51,5 @@ def from_run_config(run_config: Mapping[str, Any], *, tokenizer: Any = None,
 
 
 __all__ = ["TASKS", "Task", "EvalBatch", "Seq2SeqTask", "TranslationTask", "ClassificationTask",
-           "TaggingTask", "MaskedLMTask", "task_class", "split_model_fields", "from_run_config"]
+           "TaggingTask", "MaskedLMTask", "ReplacedTokenDetectionTask", "task_class",
+           "split_model_fields", "from_run_config"]

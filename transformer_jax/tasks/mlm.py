@@ -73,7 +73,7 @@ def _text_task(data: DataOptions) -> Any:
   """The encoder task class whose data holds the text (data.text_of)."""
   from transformer_jax.tasks import TASKS  # the registry imports this module
   encoder_tasks = [name for name, cls in TASKS.items()
-                   if issubclass(cls, EncoderTask) and cls is not MaskedLMTask]
+                   if issubclass(cls, EncoderTask) and not cls.pretraining]
   if data.text_of not in encoder_tasks:
     raise UserError(f"data.text_of={data.text_of!r}: name the task whose data holds the "
                     f"text to pretrain on, one of {', '.join(encoder_tasks)}")
@@ -159,8 +159,11 @@ class MaskedLMTask(EncoderTask):
     position past the K-th is masked but not scored)."""
     return min(length, max(1, math.ceil(2 * self.head["mask_rate"] * length)))
 
-  def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
-                train: bool) -> dict[str, jax.Array]:
+  def masked_inputs(self, batch: Batch, rng: jax.Array | None,
+                    train: bool) -> tuple[Batch, jax.Array, jax.Array | None]:
+    """The batch masked with the step's key (evaluation: one fixed key) plus `predict_at`
+    (B, K), the positions the output layer scores; their weights (B, K) (1: chosen); and
+    the key left for the model (None in evaluation)."""
     if train:
       rng, mask_rng = jax.random.split(rng)
     else:
@@ -170,6 +173,11 @@ class MaskedLMTask(EncoderTask):
     order = jnp.argsort(~chosen, axis=1, stable=True)
     masked["predict_at"] = order[:, :self.predictions_per_row(chosen.shape[1])]
     weights = jnp.take_along_axis(chosen, masked["predict_at"], 1).astype(jnp.float32)
+    return masked, weights, rng
+
+  def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
+                train: bool) -> dict[str, jax.Array]:
+    masked, weights, rng = self.masked_inputs(batch, rng, train)
     return cross_entropy_sums(self.logits(params, masked, rng, train),
                               jnp.take_along_axis(batch["tokens"], masked["predict_at"], 1),
                               self.label_smoothing if train else 0.0, weights=weights)

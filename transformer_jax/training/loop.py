@@ -3,7 +3,6 @@ The setup they share (task, data, mesh, optimizer, state shapes) is training/exp
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -24,47 +23,18 @@ from transformer_jax.metrics import MetricWriter
 from transformer_jax.options import RunOptions
 from transformer_jax.params import count_params
 from transformer_jax.preemption import PreemptionWatcher
+from transformer_jax.training.evaluation import Evaluator, Samples
 from transformer_jax.training.experiment import Experiment
 from transformer_jax.training.state import checkpoint_arrays, state_from_checkpoint
+from transformer_jax.training.timing import RunClock, summary_line
 from transformer_jax.training.workdir_lock import WorkdirLock
 
 CONFIG_FILE = "config.json"
-Samples = list[tuple[str, str, str]]
 
 
 class NonFiniteLossError(UserError):
   """Training produced a NaN or Inf loss or gradient: most often a learning rate too high for
   the model, so a user error (one line, exit status 2) naming the step and what to lower."""
-
-
-# ----------------------------------------------------------------------------- evaluation
-def _global_eval_step(eval_step: Any, mesh: Any) -> Any:
-  """eval_step on host batches that every process holds whole: each feeds its own rows.
-  Batches are first padded with all-zero rows (padding, which weighs nothing in the sums)
-  to a row count that splits evenly over the mesh and the processes."""
-  ways = math.lcm(sharding.batch_ways(mesh), jax.process_count())
-
-  def step(params: Any, batch: dict[str, np.ndarray]) -> Any:
-    extra = -len(next(iter(batch.values()))) % ways
-    batch = {k: np.pad(v, [(0, extra)] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
-    rows = sharding.local_rows(len(next(iter(batch.values()))))
-    return eval_step(params, sharding.to_global({k: v[rows] for k, v in batch.items()}, mesh))
-  return step
-
-
-class Evaluator:
-  """Evaluation of one split's batches (see Experiment.eval_batches): `__call__(params)`
-  gives the task's metrics, prefixed ("eval/", "test/"), and samples."""
-
-  def __init__(self, experiment: Experiment, batches: list, eval_step: Any,
-               prefix: str = "eval"):
-    self.experiment, self.batches, self.prefix = experiment, batches, prefix
-    self.eval_step = _global_eval_step(eval_step, experiment.mesh)
-
-  def __call__(self, params: Any) -> tuple[dict[str, float], Samples]:
-    e = self.experiment
-    metrics, samples = e.task.evaluate(params, self.batches, self.eval_step, e.decode)
-    return {f"{self.prefix}/{k}": v for k, v in metrics.items()}, samples
 
 
 # ------------------------------------------------------------------------ run files, saving
@@ -194,49 +164,52 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   """Trains (resuming from W/checkpoints if present), evaluates, and returns the final eval
   metrics. Holds the workdir for the run (a second trainer there is refused) and checks
   that checkpoints can be written there before anything else. `config`: the ml_collections
-  config (or the RunOptions parsed from one)."""
+  config (or the RunOptions parsed from one). Ends with the run's time split (timing.py):
+  the last line of metrics.jsonl and of the output."""
+  clock = RunClock()
   options = RunOptions.parse(config)
   start_distributed(options)     # before anything touches the devices
   if jax.process_index() != 0:          # Process 0 holds the lock for every host.
-    return _train(options, workdir)
+    return _train(options, workdir, clock)
   with WorkdirLock(workdir):
     checkpoint.check_writable(os.path.join(workdir, CHECKPOINT_DIR))
-    return _train(options, workdir)
+    return _train(options, workdir, clock)
 
 
-def _train(options: RunOptions, workdir: str) -> dict[str, float]:
-  experiment = Experiment.create(options, workdir)
+def _train(options: RunOptions, workdir: str, clock: RunClock) -> dict[str, float]:
+  with clock.measure("data_setup"):   # reading the splits, training or loading the tokenizer
+    experiment = Experiment.create(options, workdir)
+    eval_batches = experiment.eval_batches(options.data.eval_split, experiment.eval.examples)
   train = experiment.train
   task, mesh = experiment.task, experiment.mesh
-  eval_batches = experiment.eval_batches(options.data.eval_split, experiment.eval.examples)
-  state, state_sharding = experiment.init_state()
-  eval_step = experiment.eval_step(state_sharding.params)
-  evaluate = Evaluator(experiment, eval_batches, eval_step)
-  if jax.process_index() == 0:
-    print(f"model: {count_params(state.params):,} parameters; mesh: {dict(mesh.shape)} over "
-          f"{jax.device_count()} {jax.default_backend()} devices; workdir: "
-          f"{os.path.abspath(workdir)}")
+  with clock.measure("init"):
+    state, state_sharding = experiment.init_state()
+    eval_step = experiment.eval_step(state_sharding.params)
+    evaluate = Evaluator(experiment, eval_batches, eval_step)
+    if jax.process_index() == 0:
+      print(f"model: {count_params(state.params):,} parameters; mesh: {dict(mesh.shape)} "
+            f"over {jax.device_count()} {jax.default_backend()} devices; workdir: "
+            f"{os.path.abspath(workdir)}")
 
-  # Resume before writing anything: a config that cannot continue is refused untouched.
-  checkpoints = _make_checkpoints(experiment, workdir)
-  batches = experiment.data.train_iterator(task, train.batch_size)  # this host's rows
-  # Restored straight into this run's shardings, whatever mesh the checkpoint was saved on.
-  restored = checkpoints.restore(checkpoint_arrays(sharding.abstract(state)))
-  if restored is not None:
-    _check_data_position(restored)
-    state = state_from_checkpoint(restored.arrays)
-    batches.set_state(restored.data_state)
-    print(f"resumed from step {restored.step}")
-  elif experiment.pretrained:     # Fine-tuning: the pretrained weights, a fresh optimizer.
-    params, carried = experiment.initial_params(state.params)
-    state = state.replace(params=params)
-    what = f" {', '.join(carried)} (the rest fresh)" if carried else ""
-    print(f"initialised{what} from {experiment.pretrained.path} (step "
-          f"{experiment.pretrained.step})")
-  start_step = int(state.step)
-  _write_run_files(workdir, experiment.resolved_config())
-
-  train_step = experiment.train_step(state_sharding)
+    # Resume before writing anything: a config that cannot continue is refused untouched.
+    checkpoints = _make_checkpoints(experiment, workdir)
+    batches = experiment.data.train_iterator(task, train.batch_size)  # this host's rows
+    # Restored straight into this run's shardings, whatever mesh the checkpoint was saved on.
+    restored = checkpoints.restore(checkpoint_arrays(sharding.abstract(state)))
+    if restored is not None:
+      _check_data_position(restored)
+      state = state_from_checkpoint(restored.arrays)
+      batches.set_state(restored.data_state)
+      print(f"resumed from step {restored.step}")
+    elif experiment.pretrained:     # Fine-tuning: the pretrained weights, a fresh optimizer.
+      params, carried = experiment.initial_params(state.params)
+      state = state.replace(params=params)
+      what = f" {', '.join(carried)} (the rest fresh)" if carried else ""
+      print(f"initialised{what} from {experiment.pretrained.path} (step "
+            f"{experiment.pretrained.step})")
+    start_step = int(state.step)
+    _write_run_files(workdir, experiment.resolved_config())
+    train_step = experiment.train_step(state_sharding)
   # Lines after the resumed step describe training that is being redone: dropped.
   writer = MetricWriter(workdir, enabled=jax.process_index() == 0, resume_step=start_step)
   log = _TrainLog(writer, train.nonfinite)
@@ -246,65 +219,89 @@ def _train(options: RunOptions, workdir: str) -> dict[str, float]:
   preemption = PreemptionWatcher()
   try:
     preemption.start()   # From here SIGTERM/SIGINT stop after the current step.
-    for step in range(start_step + 1, train.num_train_steps + 1):
-      local = next(batches)
-      if step == start_step + 1:
-        task.check_batch(local, "training data")
-      state, metrics = train_step(state, sharding.to_global(local, mesh))
-      log.add(step, metrics, task.count_tokens(local) * jax.process_count())
-      progress.update(1)
-      is_last = step == train.num_train_steps
-      stop = preemption.should_stop(step)
-      save = stop or checkpoints.should_save(step)
-      if step % train.log_every_steps == 0 or is_last or save:
-        summary = log.write(step, batches.stats())
-        progress.set_postfix(loss=f"{summary['train/loss']:.4f}",
-                             tok_s=f"{summary['perf/tokens_per_sec']:.0f}")
-      evaluated = None
-      if (step % train.eval_every_steps == 0 or is_last) and not stop:
-        try:
-          final_metrics, samples = evaluated = evaluate(state.params)
-          writer.write(step, final_metrics)
-        except BaseException:
-          # The steps trained so far are kept: step's checkpoint first, then the error.
-          checkpoints.save(step, checkpoint_arrays(state), batches.get_state())
-          checkpoints.wait()
-          raise
-        progress.write(f"step {step}: " + ", ".join(f"{k}={v:.4f}"
-                                                    for k, v in final_metrics.items()))
-      if save:
-        # After the evaluation, so a checkpoint at step s implies all of s's metrics logged.
-        started = time.perf_counter()
-        checkpoints.save(step, checkpoint_arrays(state), batches.get_state(),
-                         metrics=evaluated and evaluated[0])
-        writer.write(step, {"perf/checkpoint_blocking_secs": time.perf_counter() - started})
-      if evaluated is not None or save:
-        log.restart_clock()
-      if stop:
-        checkpoints.wait()   # Durable before exiting: the scheduler may kill us soon.
-        progress.write(f"{preemption.signal_name} received: stopped after step {step} and "
-                       f"saved {checkpoints.path(step)}; run the same command to resume.")
-        return {}
+    # "steps" is what the loop's other phases leave: dispatching the steps and waiting for
+    # the device where the loop already waits (the log lines' metric fetch). Steps run
+    # asynchronously, so the device may be computing during input_wait (the time next()
+    # blocks); an evaluation or save that no log line precedes first waits for the steps.
+    with clock.measure("steps"):
+      for step in range(start_step + 1, train.num_train_steps + 1):
+        with clock.measure("input_wait"):
+          local = next(batches)
+        if step == start_step + 1:
+          task.check_batch(local, "training data")
+        state, metrics = train_step(state, sharding.to_global(local, mesh))
+        log.add(step, metrics, task.count_tokens(local) * jax.process_count())
+        progress.update(1)
+        is_last = step == train.num_train_steps
+        stop = preemption.should_stop(step)
+        save = stop or checkpoints.should_save(step)
+        if step % train.log_every_steps == 0 or is_last or save:
+          summary = log.write(step, batches.stats())
+          progress.set_postfix(loss=f"{summary['train/loss']:.4f}",
+                               tok_s=f"{summary['perf/tokens_per_sec']:.0f}")
+        evaluated = None
+        if (step % train.eval_every_steps == 0 or is_last) and not stop:
+          try:
+            with clock.measure("eval"):
+              final_metrics, samples = evaluated = evaluate(state.params)
+            writer.write(step, final_metrics)
+          except BaseException:
+            # The steps trained so far are kept: step's checkpoint first, then the error.
+            checkpoints.save(step, checkpoint_arrays(state), batches.get_state())
+            checkpoints.wait()
+            raise
+          progress.write(f"step {step}: " + ", ".join(f"{k}={v:.4f}"
+                                                      for k, v in final_metrics.items()))
+        if save:
+          # After the evaluation, so a checkpoint at step s implies all of s's metrics logged.
+          with clock.measure("checkpoint"):   # the blocking part: the save itself is async
+            started = time.perf_counter()
+            checkpoints.save(step, checkpoint_arrays(state), batches.get_state(),
+                             metrics=evaluated and evaluated[0])
+            blocked = time.perf_counter() - started
+          writer.write(step, {"perf/checkpoint_blocking_secs": blocked})
+        if evaluated is not None or save:
+          log.restart_clock()
+        if stop:
+          with clock.measure("checkpoint"):
+            checkpoints.wait()   # Durable before exiting: the scheduler may kill us soon.
+          progress.write(f"{preemption.signal_name} received: stopped after step {step} "
+                         f"and saved {checkpoints.path(step)}; run the same command to "
+                         "resume.")
+          split = _write_time_split(clock, writer, step)
+          if jax.process_index() == 0:
+            print(summary_line(split), flush=True)
+          return {}
     last_step = max(start_step, train.num_train_steps)
     final_params = state.params
     if train.average_checkpoints > 1:
-      checkpoints.wait()
-      final_params, steps = _average_newest(experiment, workdir, checkpoints.steps(),
-                                            train.average_checkpoints)
-      final_metrics, samples = evaluate(final_params)
+      with clock.measure("checkpoint"):
+        checkpoints.wait()
+      with clock.measure("average"):
+        final_params, steps = _average_newest(experiment, workdir, checkpoints.steps(),
+                                              train.average_checkpoints)
+      with clock.measure("final_eval"):
+        final_metrics, samples = evaluate(final_params)
       writer.write(last_step, {**final_metrics, "eval/averaged_checkpoints": len(steps)})
       progress.write(f"average of steps {steps}: " + ", ".join(
           f"{k}={v:.4f}" for k, v in final_metrics.items()))
     elif start_step >= train.num_train_steps:
       print(f"already trained to step {start_step} (num_train_steps="
             f"{train.num_train_steps}); evaluating the saved model")
-      final_metrics, samples = evaluate(state.params)
+      with clock.measure("final_eval"):
+        final_metrics, samples = evaluate(state.params)
     test_split = options.data.test_split
     if test_split:
-      test = Evaluator(experiment, experiment.eval_batches(test_split), eval_step, "test")
-      test_metrics, samples = test(final_params)
+      with clock.measure("data_setup"):
+        test_batches = experiment.eval_batches(test_split)
+      with clock.measure("final_eval"):
+        test_metrics, samples = Evaluator(experiment, test_batches, eval_step, "test")(
+            final_params)
       writer.write(last_step, test_metrics)
       final_metrics.update(test_metrics)
+    with clock.measure("checkpoint"):
+      checkpoints.wait()   # the last save committed (close() below then has nothing to wait)
+    split = _write_time_split(clock, writer, last_step)
   finally:
     preemption.stop()
     batches.close()
@@ -318,7 +315,15 @@ def _train(options: RunOptions, workdir: str) -> dict[str, float]:
       print("data read for training: " + ", ".join(f"{k[5:]}={v:,}"
                                                    for k, v in batches.stats().items()))
     print("final: " + ", ".join(f"{k}={v:.4f}" for k, v in final_metrics.items()))
+    print(summary_line(split))
   return final_metrics
+
+
+def _write_time_split(clock: RunClock, writer: MetricWriter, step: int) -> dict[str, float]:
+  """The run's time split so far, written as the last line of metrics.jsonl."""
+  split = clock.split()
+  writer.write(step, split)
+  return split
 
 
 def _average_newest(experiment: Experiment, workdir: str, available: Sequence[int],

@@ -1,8 +1,9 @@
 """Self-pretraining, then fine-tuning: what `python train.py` runs for a config whose
 `pretrain` group is enabled (options.PretrainOptions).
 
-  W/pretrain/   stage 1: a masked language model (task "mlm") on the run's training text,
-                with the vocabulary trained there (`pretraining_config` derives its config)
+  W/pretrain/   stage 1: the task pretrain.objective names on the run's training text: a
+                masked language model ("mlm") or replaced-token detection ("rtd"), with
+                the vocabulary trained there (`pretraining_config` derives its config)
   W/            stage 2: the run's own task with init_from=W/pretrain/checkpoints/<last>:
                 the encoder and vocabulary carried over, the head fresh
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import time
 from typing import Any, Mapping
@@ -27,26 +29,30 @@ from transformer_jax import checkpoint, tasks
 from transformer_jax.config import TransformerConfig
 from transformer_jax.errors import UserError
 from transformer_jax.options import PretrainOptions, RunOptions
-from transformer_jax.tasks.mlm import MaskedLMTask
 from transformer_jax.training.experiment import validate
-from transformer_jax.training.loop import start_distributed, train_and_evaluate
+from transformer_jax.training.loop import CONFIG_FILE, start_distributed, train_and_evaluate
 
 PRETRAIN_DIR = "pretrain"
-_EVAL_EXAMPLES = 1000   # the masked-LM evaluation needs no more than this many texts
+_EVAL_EXAMPLES = 1000   # the pretraining evaluation needs no more than this many texts
+# Head options of the stage's task that its `pretrain` fields of the same name set.
+_STAGE_HEAD_OPTIONS = ("mask_rate", "discriminator_weight")
 
 
 def pretraining_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
-  """The masked-LM run that pretrains the encoder of `run_config` (a classification or
-  tagging run config, as a plain dict) on the text of its training split: the same
-  encoder, data files and tokenizer settings; steps, batch, learning rate, masking rate,
-  vocabulary size, extra text, dropout, row length and long-text policy from its `pretrain`
-  group."""
+  """The run that pretrains the encoder of `run_config` (a classification or tagging run
+  config, as a plain dict) on the text of its training split, as the task
+  pretrain.objective names ("mlm" or "rtd"): the same encoder, data files and tokenizer
+  settings; steps, batch, learning rate, masking rate, discriminator weight, vocabulary
+  size, extra text, dropout, row length and long-text policy from its `pretrain` group."""
   config = copy.deepcopy(dict(run_config))
   pretrain = PretrainOptions.from_dict(config.get("pretrain"))
+  stage_task = tasks.task_class(pretrain.objective)
   architecture = {f.name for f in dataclasses.fields(TransformerConfig)}
   model = {k: v for k, v in config["model"].items()
-           if k in architecture or k in MaskedLMTask.carried_head_options}
-  model.update(mask_rate=pretrain.mask_rate, word_dropout=0.0,    # masking does its work
+           if k in architecture or k in stage_task.carried_head_options}
+  model.update({k: getattr(pretrain, k) for k in _STAGE_HEAD_OPTIONS
+                if k in stage_task.head_options})
+  model.update(word_dropout=0.0,    # masking does its work
                dropout_rate=pretrain.dropout_rate,
                attention_dropout_rate=pretrain.attention_dropout_rate)
   data = {**config["data"], "text_of": config["task"], "extra_text": pretrain.extra_text,
@@ -63,7 +69,7 @@ def pretraining_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
   steps = pretrain.num_train_steps
   examples = config.get("eval", {}).get("examples", 0)
   config.update(
-      task=MaskedLMTask.name, init_from="", num_train_steps=steps,
+      task=stage_task.name, init_from="", num_train_steps=steps,
       batch_size=pretrain.batch_size or config["batch_size"], label_smoothing=0.0,
       eval_every_steps=min(config["eval_every_steps"], steps),
       checkpoint_every_steps=min(config["checkpoint_every_steps"], steps), keep_checkpoints=2,
@@ -83,6 +89,20 @@ def pretrained_path(workdir: str, num_train_steps: int) -> str | None:
   return os.path.join(directory, str(max(done))) if done else None
 
 
+def _check_stage_task(workdir: str, task: str) -> None:
+  """A pretraining stage already begun in the workdir must be of the objective asked for:
+  resuming or fine-tuning from the other one would silently give another encoder."""
+  path = os.path.join(workdir, PRETRAIN_DIR, CONFIG_FILE)
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    begun = json.load(f).get("task")
+  if begun != task:
+    raise UserError(f"{os.path.dirname(path)} holds a {begun!r} pretraining stage, but "
+                    f"pretrain.objective={task!r}; use a fresh --workdir (or "
+                    f"--config.pretrain.objective={begun})")
+
+
 def train(config: Any, workdir: str) -> dict[str, float]:
   """`train_and_evaluate`, preceded by the pretraining stage when config.pretrain.enabled
   (skipped once its final checkpoint exists). Returns the fine-tuned run's final metrics
@@ -99,11 +119,13 @@ def train(config: Any, workdir: str) -> dict[str, float]:
   stage = RunOptions.parse(pretraining_config(options.as_given))
   # Both stages' configs are checked before either starts (the data is read by each).
   validate(options, tasks.task_class(options.train.task))
-  validate(stage, MaskedLMTask)
+  validate(stage, tasks.task_class(stage.train.task))
+  _check_stage_task(workdir, stage.train.task)
   steps = stage.train.num_train_steps
   if pretrained_path(workdir, steps) is None:
     started = time.perf_counter()
-    print(f"pretraining stage ({steps} steps of masked-LM) in {workdir}/{PRETRAIN_DIR}")
+    print(f"pretraining stage ({steps} steps of {stage.train.task}) in "
+          f"{workdir}/{PRETRAIN_DIR}")
     if not train_and_evaluate(stage, os.path.join(workdir, PRETRAIN_DIR)):
       return {}
     if jax.process_count() > 1:   # every host sees the final checkpoint before looking for it
