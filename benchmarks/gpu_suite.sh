@@ -11,7 +11,12 @@
 # BUDGET (default 420): seconds after which `steps` starts no new command (the variants run
 # in order of importance). WHEELS (default .gpu_carry/whl): packages the host lacks
 # (ml-collections, grain, array-record, portpicker), installed with --no-deps into
-# /tmp/site; the host's own JAX is used as it is, whatever this repository pins.
+# /tmp/site; the host's own JAX is used as it is, whatever this repository pins. Fetch them
+# beforehand on any x86-64 machine with pip, for the host's Python (e.g. 3.12):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_24_x86_64 --platform manylinux_2_27_x86_64 \
+#     --platform manylinux2014_x86_64 -d .gpu_carry/whl \
+#     ml-collections==1.1.0 grain==0.2.18 array-record portpicker
 # MULTI30K (default .gpu_carry/multi30k): the Multi30k files. TARGET: the aot name of this
 # GPU (h100-sxm, h200) for the plans beside the measurements.
 set -u
