@@ -64,8 +64,9 @@ _COMMAND_START: list[float] = []
 
 
 def _compiles() -> _Compiles:
-  """The process's compile totals, listening to JAX from the first call on (JAX's listeners
-  are process-wide and cannot be scoped to one run: each run takes differences)."""
+  """The process's compile totals, listening to JAX from the first call on (listeners are
+  process-wide, so they are registered once and each run takes differences; a compile on
+  another thread during a phase is taken out of that phase too)."""
   global _COMPILES
   if _COMPILES is None:
     _COMPILES = _Compiles()
