@@ -19,6 +19,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from transformer_jax.data import pipeline
 from transformer_jax.data.corpus import Corpus
@@ -136,18 +137,21 @@ def load_or_train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: Da
   training split, and saves them there with that identity (process 0 trains, the other
   hosts wait and load)."""
   paths = None
+  hosts = jax.process_count() > 1
   if workdir:
     identity = tokenizer_identity(task, corpus, config, seed)
     paths = (os.path.join(workdir, VOCAB_FILE), os.path.join(workdir, TARGET_VOCAB_FILE))
-    if os.path.exists(paths[0]):
+    saved = os.path.exists(paths[0])
+    if hosts:   # every host has looked before process 0 may write: all take the same branch
+      multihost_utils.sync_global_devices("tokenizer looked for")
+    if saved:
       if check_identity:
         _check_identity(workdir, identity)
       source = load_tokenizer(paths[0])
       target = load_tokenizer(paths[1]) if os.path.exists(paths[1]) else source
       return source, target, f"loaded from {paths[0]}"
   make = (lambda: given) if given else (lambda: _train_tokenizers(task, corpus, config, seed))
-  if jax.process_count() > 1 and paths:
-    from jax.experimental import multihost_utils
+  if hosts and paths:
     if jax.process_index() == 0:
       _save(*make(), paths, identity)
     multihost_utils.sync_global_devices("tokenizer saved")

@@ -3,6 +3,7 @@ The setup they share (task, data, mesh, optimizer, state shapes) is training/exp
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -30,6 +31,7 @@ from transformer_jax.training.timing import RunClock, summary_line
 from transformer_jax.training.workdir_lock import WorkdirLock
 
 CONFIG_FILE = "config.json"
+TIME_SPLIT_FILE = "time_split.json"   # where the run's wall time went (timing.py)
 
 
 class NonFiniteLossError(UserError):
@@ -165,7 +167,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   metrics. Holds the workdir for the run (a second trainer there is refused) and checks
   that checkpoints can be written there before anything else. `config`: the ml_collections
   config (or the RunOptions parsed from one). Ends with the run's time split (timing.py):
-  the last line of metrics.jsonl and of the output."""
+  W/time_split.json and the last line of the output."""
   clock = RunClock()
   options = RunOptions.parse(config)
   start_distributed(options)     # before anything touches the devices
@@ -268,7 +270,7 @@ def _train(options: RunOptions, workdir: str, clock: RunClock) -> dict[str, floa
           progress.write(f"{preemption.signal_name} received: stopped after step {step} "
                          f"and saved {checkpoints.path(step)}; run the same command to "
                          "resume.")
-          split = _write_time_split(clock, writer, step)
+          split = _write_time_split(clock, workdir, step)
           if jax.process_index() == 0:
             print(summary_line(split), flush=True)
           return {}
@@ -301,7 +303,7 @@ def _train(options: RunOptions, workdir: str, clock: RunClock) -> dict[str, floa
       final_metrics.update(test_metrics)
     with clock.measure("checkpoint"):
       checkpoints.wait()   # the last save committed (close() below then has nothing to wait)
-    split = _write_time_split(clock, writer, last_step)
+    split = _write_time_split(clock, workdir, last_step)
   finally:
     preemption.stop()
     batches.close()
@@ -319,10 +321,13 @@ def _train(options: RunOptions, workdir: str, clock: RunClock) -> dict[str, floa
   return final_metrics
 
 
-def _write_time_split(clock: RunClock, writer: MetricWriter, step: int) -> dict[str, float]:
-  """The run's time split so far, written as the last line of metrics.jsonl."""
+def _write_time_split(clock: RunClock, workdir: str, step: int) -> dict[str, float]:
+  """The run's time split so far, written (process 0) to W/time_split.json, beside
+  metrics.jsonl rather than in it: the metrics of a run stay those of its training."""
   split = clock.split()
-  writer.write(step, split)
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, TIME_SPLIT_FILE), "w") as f:
+      json.dump({"step": step, **split}, f, indent=1)
   return split
 
 
