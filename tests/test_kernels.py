@@ -181,3 +181,21 @@ def test_a_packed_transformer_with_the_tpu_kernel_matches_einsum(monkeypatch):
     fused = Transformer(cfg.replace(attention_impl="auto")).apply(variables, src, tgt, **packed)
   real = np.asarray(tgt_seg != 0)
   assert_close(np.asarray(fused)[real], np.asarray(einsum)[real], atol=2e-4, rtol=2e-4)
+
+
+def test_a_served_artifact_is_exported_through_xlas_attention():
+  """export builds its Predictor with portable=True: a model trained with a kernel is served
+  through XLA's attention (an artifact has symbolic lengths and may run on any platform),
+  while predict keeps the saved choice."""
+  from types import SimpleNamespace
+
+  from configs import default
+  from transformer_jax.checkpoint.snapshots import ModelRecord
+  from transformer_jax.predict import Predictor
+  config = default.get_config().to_dict()
+  config["model"].update(attention_impl="auto", vocab_size=40)
+  assets = SimpleNamespace(tokenizer=None, target_tokenizer=None, labels=None)
+  record = ModelRecord(path="w", step=1, config=config, assets=assets, averaged_steps=[],
+                       modules=[])
+  assert Predictor._task(record).model_config.attention_impl == "auto"
+  assert Predictor._task(record, portable=True).model_config.attention_impl == "xla"

@@ -62,11 +62,12 @@ def export_stablehlo(workdir: str, steps: list[int] | None, output: str | None,
   from transformer_jax.predict import Predictor
   with tempfile.TemporaryDirectory() as tmp:
     if steps is None:
-      predictor = Predictor(workdir)
+      predictor = Predictor(workdir, portable=True)
     else:   # The selection is an orbax export first: the one place that averages.
       directory = os.path.join(workdir, checkpoint.CHECKPOINT_DIR)
       predictor = Predictor(checkpoint_path=checkpoint.write_average(directory, steps,
-                                                              os.path.join(tmp, "export")))
+                                                              os.path.join(tmp, "export")),
+                            portable=True)
     name = f"step_{predictor.step}" + (f"_avg{len(steps)}" if steps and len(steps) > 1 else "")
     output = output or os.path.join(workdir, "serving", name)
     decode = predictor.decode_options(beam_size=beam_size)

@@ -21,6 +21,7 @@ naming it) by translation or under --too_long=refuse.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 from typing import Any, BinaryIO, Iterable, TextIO
@@ -59,17 +60,22 @@ class Predictor:
   `too_long`: the --too_long flag (None: what the model's training did)."""
 
   def __init__(self, workdir: str | None = None, checkpoint_path: str | None = None,
-               too_long: str | None = None):
+               too_long: str | None = None, portable: bool = False):
+    """`portable`: attention through XLA's path whatever the model was trained with (a
+    served artifact has symbolic lengths and may run on other platforms than a kernel's)."""
+    load = functools.partial(self._load, portable=portable)
     self.path, (model, self.task, self.params) = checkpoint.load_newest(
-        workdir, self._load, checkpoint_path)
+        workdir, load, checkpoint_path)
     self.step, self.saved_config = model.step, upgrade(model.config)
     self.decode = DecodeOptions.from_dict(self.saved_config.get("decode"))
     self.policy = self.task.line_policy(DataOptions.from_dict(self.saved_config.get("data")))
     self.policy = self.policy.choose(too_long, self.task.name)
 
   @staticmethod
-  def _task(model: checkpoint.ModelRecord) -> tasks.Task:
+  def _task(model: checkpoint.ModelRecord, portable: bool = False) -> tasks.Task:
     saved = upgrade(model.config)
+    if portable and saved["model"].get("attention_impl") in ("cudnn", "splash", "auto"):
+      saved = {**saved, "model": {**saved["model"], "attention_impl": "xla"}}
     task_name = TrainOptions.from_dict(saved).task
     if tasks.task_class(task_name).needs_labels and not model.assets.labels:
       raise checkpoint.IncompatibleCheckpointError(
@@ -79,9 +85,10 @@ class Predictor:
                                  labels=model.assets.labels)
 
   @classmethod
-  def _load(cls, path: str) -> tuple[checkpoint.ModelRecord, tasks.Task, object]:
+  def _load(cls, path: str, portable: bool = False
+            ) -> tuple[checkpoint.ModelRecord, tasks.Task, object]:
     model = checkpoint.read_record(path)
-    task = cls._task(model)
+    task = cls._task(model, portable)
     abstract = nn.meta.unbox(jax.eval_shape(task.init_params, jax.random.PRNGKey(0)))
     return model, task, checkpoint.restore_params(path, abstract)
 
