@@ -36,6 +36,7 @@ from transformer_jax.data import pipeline
 from transformer_jax.errors import MissingFileError, UserError
 from transformer_jax.files import atomic_output
 from transformer_jax.inputs import InputError
+from transformer_jax.modules import kernels
 from transformer_jax.options import DataOptions, DecodeOptions, TrainOptions
 from transformer_jax.renamed_fields import upgrade
 from transformer_jax.serving.line_policy import TOO_LONG_CHOICES, LineReader, stitch, window_starts
@@ -74,7 +75,7 @@ class Predictor:
   @staticmethod
   def _task(model: checkpoint.ModelRecord, portable: bool = False) -> tasks.Task:
     saved = upgrade(model.config)
-    if portable and saved["model"].get("attention_impl") in ("cudnn", "splash", "auto"):
+    if portable and saved["model"].get("attention_impl") in (*kernels.KERNELS, "auto"):
       saved = {**saved, "model": {**saved["model"], "attention_impl": "xla"}}
     task_name = TrainOptions.from_dict(saved).task
     if tasks.task_class(task_name).needs_labels and not model.assets.labels:

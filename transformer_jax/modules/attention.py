@@ -190,7 +190,7 @@ def _fused_attention(query: Array, key: Array, value: Array, mask: AttentionMask
   target platform (aot), a kernel that cannot run is an error: the plan would be of
   another program."""
   platform = kernels.platform()
-  if platform not in _KERNEL_PLATFORMS[implementation]:
+  if platform not in kernels.KERNEL_PLATFORMS[implementation]:
     return _cannot_run(implementation, f"the backend is {platform!r}")
   if implementation == "splash":
     kernel = functools.partial(kernels.splash_attention, causal=mask.causal)
@@ -214,9 +214,6 @@ def _cannot_run(implementation: str, reason: str) -> Array | None:
                               "--config.model.attention_impl=einsum instead")
   _warn_fallback(implementation, reason)
   return None
-
-
-_KERNEL_PLATFORMS = {"cudnn": ("gpu", "cuda"), "splash": ("tpu",)}
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,9 +31,11 @@ from transformer_jax.errors import UserError
 
 Array = jax.Array
 
-KERNELS = ("cudnn", "splash")
-# The fastest exact attention by platform (benchmarks/RESULTS.md, "Attention kernels").
-_FASTEST = {"gpu": "cudnn", "cuda": "cudnn", "tpu": "splash"}
+# Each kernel and the platforms it runs on; "auto" picks the one of the platform traced for.
+KERNEL_PLATFORMS = {"cudnn": ("gpu", "cuda"), "splash": ("tpu",)}
+KERNELS = tuple(KERNEL_PLATFORMS)
+_FASTEST = {platform: kernel for kernel, platforms in KERNEL_PLATFORMS.items()
+            for platform in platforms}
 
 _TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "attention_target_platform", default=None)
