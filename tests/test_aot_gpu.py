@@ -129,6 +129,7 @@ def test_auto_attention_is_planned_as_cudnn_attention_for_h100():
     compiled = report.compile_program(program, topo, mesh)
   assert text.count("__cudnn$fmha") >= 3 * 2
   assert compiled.fits and compiled.total_bytes > 0
+  assert compiled.estimated_step_s is None and "__cudnn$fmha" in compiled.note
 
 
 @needs_plugin

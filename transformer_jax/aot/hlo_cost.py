@@ -26,6 +26,21 @@ _FUSED_COLLECTIVE = re.compile(r"calls=%?(all-reduce-scatter|all-gather|all-redu
 _FUSED_KIND = {"all-reduce-scatter": "reduce-scatter"}
 
 
+# Custom calls of fused kernels (Pallas/Mosaic on TPU, cuDNN's attention, Pallas on GPU):
+# XLA's cost model sees them as opaque calls, and prices none of their work.
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+_KERNEL_TARGETS = ("tpu_custom_call", "__cudnn$fmha", "__gpu$xla.gpu.triton", "mosaic_gpu")
+
+
+def kernel_calls(hlo_text: str) -> dict[str, int]:
+  """How many times the module calls each fused kernel, by custom-call target."""
+  counts: dict[str, int] = {}
+  for target in _CUSTOM_CALL.findall(hlo_text):
+    if target.startswith(_KERNEL_TARGETS):
+      counts[target] = counts.get(target, 0) + 1
+  return counts
+
+
 @dataclasses.dataclass(frozen=True)
 class OpBreakdown:
   """XLA's per-instruction cost-model estimates of one compiled program."""

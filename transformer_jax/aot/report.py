@@ -14,7 +14,7 @@ import jax
 
 from transformer_jax import sharding
 from transformer_jax.accelerators import GiB, compiled_memory
-from transformer_jax.aot.hlo_cost import NO_BREAKDOWN, collective_bytes, op_breakdown
+from transformer_jax.aot.hlo_cost import NO_BREAKDOWN, collective_bytes, kernel_calls, op_breakdown
 from transformer_jax.aot.programs import Program, RunSettings
 from transformer_jax.aot.targets import Topology, tracing_for
 
@@ -29,6 +29,9 @@ TRITON_OFF_NOTE = ("compiled with cuBLAS matmuls (xla_gpu_enable_triton_gemm=fal
 _TRITON_TILING = "Couldn't find output tile sizes"
 ROOFLINE_WITHOUT_COST = ("roofline from the model FLOPs at peak or the arguments and outputs "
                          "at HBM bandwidth (no compiled FLOPs or bytes)")
+KERNELS_UNPRICED = ("calls fused kernels ({kernels}) whose work XLA's cost model does not "
+                    "price: no estimated step time, and no compiled FLOPs or bytes (they "
+                    "would leave the kernels out)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +136,11 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
   seconds = float(raw_seconds) if raw_seconds and raw_seconds > 0 else None
   # The optimized module: megabytes of text for the WMT14 models, parsed in about a second.
   hlo_text = compiled.as_text()
+  kernels = kernel_calls(hlo_text)
+  if kernels:     # A step time without the kernels' work would be too fast, not an estimate.
+    seconds = None
+    notes.append(KERNELS_UNPRICED.format(kernels=", ".join(
+        f"{n}x {target}" for target, n in sorted(kernels.items()))))
   breakdown = op_breakdown(hlo_text) if seconds is not None or top_ops else NO_BREAKDOWN
   loop_factor = breakdown.loop_factor if seconds is not None else None
   if loop_factor and seconds is not None:
@@ -150,15 +158,15 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
     # encoder and the cache set-up), so its FLOPs and time are not a whole decode.
     notes.append("cost counts the decoding loop body once")
   chip, chips = topology.chip, mesh.size
-  if cost:
+  if cost and not kernels:
     flops, bytes_accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
     # Not XLA's estimate: the compiled program's FLOPs at peak or its bytes at HBM bandwidth,
     # whichever takes longer; a lower bound on the step time that every generation gets.
     roofline = max(flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth) or None
   else:
-    # No cost analysis (XLA's GPU compiler gives none): the bound from what must happen at
-    # least once per call, the model's FLOPs at peak, or reading the arguments and writing
-    # the outputs at HBM bandwidth.
+    # No cost analysis (XLA's GPU compiler gives none), or one blind to the kernels: the
+    # bound from what must happen at least once per call, the model's FLOPs at peak, or
+    # reading the arguments and writing the outputs at HBM bandwidth.
     flops, bytes_accessed = None, None
     least_bytes = memory["argument_bytes"] + memory.get("output_bytes", 0)
     roofline = max((program.model_flops or 0) / chips / chip.peak_flops,
