@@ -10,7 +10,8 @@ project's own commands, each as a subprocess with --json, with the device, date 
 - variants: the train step of WMT14 base (and big), bf16, 96 packed rows of 256 + 256, one
   lever changed at a time against attention_impl=auto: the attention path, dropout off,
   the PRNG that draws dropout's bits, XLA's GPU options and the loss over tiles of the
-  targets (STEP_VARIANTS below);
+  targets (STEP_VARIANTS below); and base's step profiled, its GPU time by kernel family
+  (benchmarks/profile_step.py);
 - train_step: the same step with each of --attentions, at the paper's batch and at the
   largest batch per device that `aot --find_max_batch` plans for the target (or
   --largest_batch, planned beforehand on a CPU machine) (benchmarks/train_step.py);
@@ -73,11 +74,14 @@ FLAGS = flags.FLAGS
 
 MEASUREMENTS = ("variants", "train_step", "torch", "decode", "aot_plan", "multi30k", "serve")
 ATTENTIONS = ("auto", "einsum", "xla", "cudnn", "splash")
+PROFILE = "kernel time by family"
 # One lever at a time against the step with attention_impl=auto: (name, model, train_step
 # arguments, environment). In order of importance: a call cut short keeps the first ones.
 STEP_VARIANTS = [
     ("auto", "base", [], {}),
     ("auto", "big", [], {}),
+    # Not a lever: where base's step goes, per GPU kernel (benchmarks/profile_step.py).
+    (PROFILE, "base", [], {}),
     ("einsum attention", "base", ["--attention=einsum"], {}),
     ("loss over 8 tiles", "base", ["--config.model.loss_tiles=8"], {}),
     ("no dropout", "base", ["--config.model.dropout_rate=0.0"], {}),
@@ -161,9 +165,11 @@ def _variants(runs: list[dict[str, Any]], save: Callable[[], None]) -> None:
     if flags_of is None:
       continue
     rows = 8 if FLAGS.tiny else PAPER_ROWS[model]
-    runs.append({"measurement": "variant", "variant": name, "model": model, "batch": rows,
-                 **_run(["benchmarks.train_step", *flags_of, "--dtype=bfloat16",
-                         "--attention=auto", f"--batch_size={rows}", *args], env=env)})
+    module = "benchmarks.profile_step" if name == PROFILE else "benchmarks.train_step"
+    runs.append({"measurement": "profile" if name == PROFILE else "variant", "variant": name,
+                 "model": model, "batch": rows,
+                 **_run([module, *flags_of, "--dtype=bfloat16", "--attention=auto",
+                         f"--batch_size={rows}", *args], env=env)})
     save()
 
 

@@ -164,6 +164,26 @@ def test_profile_groups_op_time_and_finds_the_matmuls():
   assert sum(shares.values()) <= 100.01
 
 
+def test_profile_of_a_gpu_counts_its_kernels_alone():
+  """A GPU trace: the device's kernels, grouped (GEMMs, cuDNN's attention, XLA's fusions
+  without their numbers); the host's events of the same ops are not counted twice."""
+  from benchmarks.profile_step import ATTENTION, MATMUL, op_times
+  gpu, host = 7, 1
+  events = [{"ph": "M", "name": "process_name", "pid": gpu, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": host, "args": {"name": "/host:CPU"}}]
+  kernels = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_cublas": 10,
+             "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTN": 5, "gemm_fusion_dot_12": 3,
+             "cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0": 8,
+             "loop_multiply_fusion_3": 2, "loop_multiply_fusion": 1,
+             "input_reduce_fusion_12_1": 4,
+             "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>(Params)": 6}
+  events += [{"ph": "X", "pid": gpu, "name": k, "dur": d} for k, d in kernels.items()]
+  events += [{"ph": "X", "pid": host, "name": "loop_multiply_fusion.3", "dur": 50},
+             {"ph": "X", "pid": host, "name": "dot.1", "dur": 50}]
+  assert op_times(events) == {MATMUL: 24, ATTENTION: 8, "loop_multiply_fusion": 3,
+                              "input_reduce_fusion": 4}
+
+
 def test_bad_lengths_are_named():
   out = _run("benchmarks.train_step", *TINY, "--src_length=600", check=False)
   assert out.returncode != 0 and "max_len" in out.stderr
