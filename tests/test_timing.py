@@ -49,6 +49,20 @@ def test_parts_add_up_to_the_total_and_nothing_is_counted_twice():
   assert P + "startup_s" not in split              # not measured here: not reported
 
 
+def test_a_split_taken_inside_open_phases_counts_their_time_so_far():
+  """A run stopped inside its step loop (SIGTERM) writes its split there: the steps so far
+  are steps, not `other`."""
+  clock = timing.RunClock()
+  with clock.measure("steps"):
+    time.sleep(0.05)
+    with clock.measure("checkpoint"):
+      time.sleep(0.05)
+      split = clock.split()
+  assert split[P + "steps_s"] >= 0.05 and split[P + "checkpoint_s"] >= 0.05
+  assert split[P + "other_s"] < 0.03
+  assert sum(_parts(split).values()) == pytest.approx(split[P + "total_s"], abs=1e-6)
+
+
 def test_the_command_start_counts_once():
   timing.command_started(time.perf_counter() - 1.0)
   first, second = timing.RunClock(), timing.RunClock()

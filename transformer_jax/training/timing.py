@@ -96,29 +96,39 @@ class RunClock:
       self.own["startup"] = now - command
     self._compiles = _compiles()
     self._base = self._compiles.snapshot()
-    self._open: list[float] = []   # per open phase, the net time of the phases inside it
+    # Per open phase, innermost last: [phase, started, compile seconds then, the net time
+    # of the phases closed inside it].
+    self._open: list[list[Any]] = []
 
   @contextlib.contextmanager
   def measure(self, phase: str) -> Iterator[None]:
     """Adds the block's wall time to `phase`, less the compiles and the phases measured
     inside it."""
-    started, compiled = time.perf_counter(), self._compiles.snapshot()[0]
-    self._open.append(0.0)
+    self._open.append([phase, time.perf_counter(), self._compiles.snapshot()[0], 0.0])
     try:
       yield
     finally:
+      _, started, compiled, inner = self._open.pop()
       net = time.perf_counter() - started - (self._compiles.snapshot()[0] - compiled)
-      self.own[phase] += net - self._open.pop()
+      self.own[phase] += net - inner
       if self._open:
-        self._open[-1] += net
+        self._open[-1][3] += net
 
   def split(self) -> dict[str, float]:
     """Every phase's seconds, then compile, other (what no phase measured) and the total
     since the origin, under PREFIX; and the programs compiled and loaded from the cache."""
     seconds, programs, cached = self._compiles.snapshot()
     compile_s = seconds - self._base[0]
-    total = time.perf_counter() - self.origin
-    parts = {**self.own, "compile": compile_s}
+    now = time.perf_counter()
+    total = now - self.origin
+    own = dict(self.own)
+    # Phases still open (a run stopped inside its loop) count their time so far.
+    child = 0.0
+    for phase, started, compiled, inner in reversed(self._open):
+      net = now - started - (seconds - compiled)
+      own[phase] += net - inner - child
+      child = net
+    parts = {**own, "compile": compile_s}
     parts["other"] = total - sum(parts.values())
     split = {f"{PREFIX}{name}_s": value for name, value in {**parts, "total": total}.items()}
     split[f"{PREFIX}programs"] = programs - self._base[1]
