@@ -17,6 +17,7 @@ rather than on the run's seed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from typing import Any, Iterator
@@ -82,6 +83,20 @@ def command_started(started: float) -> None:
   _compiles()
 
 
+@dataclasses.dataclass
+class _OpenPhase:
+  """A phase being measured: when it started, the compile seconds then, and the net time
+  of the phases already closed inside it."""
+  phase: str
+  started: float
+  compiled: float
+  inner: float = 0.0
+
+  def net(self, now: float, compiled_now: float) -> float:
+    """Its wall time so far, less the compiles since it started."""
+    return now - self.started - (compiled_now - self.compiled)
+
+
 class RunClock:
   """A run's time split: phases measured with `measure`, compile time from JAX's events."""
 
@@ -96,23 +111,21 @@ class RunClock:
       self.own["startup"] = now - command
     self._compiles = _compiles()
     self._base = self._compiles.snapshot()
-    # Per open phase, innermost last: [phase, started, compile seconds then, the net time
-    # of the phases closed inside it].
-    self._open: list[list[Any]] = []
+    self._open: list[_OpenPhase] = []   # innermost last
 
   @contextlib.contextmanager
   def measure(self, phase: str) -> Iterator[None]:
     """Adds the block's wall time to `phase`, less the compiles and the phases measured
     inside it."""
-    self._open.append([phase, time.perf_counter(), self._compiles.snapshot()[0], 0.0])
+    self._open.append(_OpenPhase(phase, time.perf_counter(), self._compiles.snapshot()[0]))
     try:
       yield
     finally:
-      _, started, compiled, inner = self._open.pop()
-      net = time.perf_counter() - started - (self._compiles.snapshot()[0] - compiled)
-      self.own[phase] += net - inner
+      opened = self._open.pop()
+      net = opened.net(time.perf_counter(), self._compiles.snapshot()[0])
+      self.own[phase] += net - opened.inner
       if self._open:
-        self._open[-1][3] += net
+        self._open[-1].inner += net
 
   def split(self) -> dict[str, float]:
     """Every phase's seconds, then compile, other (what no phase measured) and the total
@@ -124,9 +137,9 @@ class RunClock:
     own = dict(self.own)
     # Phases still open (a run stopped inside its loop) count their time so far.
     child = 0.0
-    for phase, started, compiled, inner in reversed(self._open):
-      net = now - started - (seconds - compiled)
-      own[phase] += net - inner - child
+    for opened in reversed(self._open):
+      net = opened.net(now, seconds)
+      own[opened.phase] += net - opened.inner - child
       child = net
     parts = {**own, "compile": compile_s}
     parts["other"] = total - sum(parts.values())
