@@ -1,4 +1,4 @@
-"""Per-device memory of the sharded training state under mesh layouts (issue: scale-out).
+"""Per-device memory of the sharded training state under mesh layouts.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.param_memory
 
