@@ -51,8 +51,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   # From scratch by default: the best recipe measured. Self-pretraining (docs/pretraining.md:
   # a masked LM or replaced-token detection on the training phrases first) came out below it
-  # on every seed tried (82.65% mean of seeds 0-2 against 79.51% and 80.16%), at every
-  # fine-tuning rate. The pretrained recipe: --config.pretrain.enabled=True
+  # on every seed tried (82.65% mean of seeds 0-2 against 79.51% and 80.16%; the masked LM
+  # also at lower fine-tuning rates). The pretrained recipe: --config.pretrain.enabled=True
   # [--config.pretrain.objective=rtd].
   config.pretrain.update(dict(enabled=False, num_train_steps=3000, warmup_steps=300))
   return config
