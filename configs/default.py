@@ -92,7 +92,7 @@ def get_config() -> ml_collections.ConfigDict:
       learning_rate=0.0,         # 0: the run's optimizer.learning_rate
       warmup_steps=500, mask_rate=0.15,
       vocab_size=0,              # sentencepiece: 0 = data.vocab_size
-      extra_text="",             # a file in data.dir, one text per line (IMDB: unsup.txt)
+      extra_text="",             # data.extra_text for the stage (IMDB: unsup.txt)
       dropout_rate=0.1, attention_dropout_rate=0.1,   # the stage's own (BERT's)
       max_length=0,              # tokens per packed row; 0 = data.max_length
       too_long=""))              # a longer training text: "" = data.too_long | split ...
@@ -120,7 +120,7 @@ def text_data(**fields) -> ml_collections.ConfigDict:
       truncate="head",           # a truncated example keeps its head | tail | head_tail
       br_tags="keep",            # classification: "<br />" in the text: keep | space
       text_of="",                # mlm: the task whose files hold the text
-      extra_text="",             # mlm: a file in dir, one text per line, added to train
+      extra_text="",             # mlm: a file in dir (or a path from it), one text a line
       pack=True,                 # several examples per row (False: one, padded)
       max_segments=0,            # classification: label slots per packed row
       eval_max_length=128,       # evaluation: longest bucket (longer examples truncated)

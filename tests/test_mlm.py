@@ -6,6 +6,7 @@ both stages and resuming."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 
@@ -179,6 +180,15 @@ def test_mlm_reads_the_text_of_a_classification_set_plus_extra_lines(tmp_path):
   assert [r["text"] for r in loaders["train"]()] == [
       "good film", "bad", "an unlabelled review", "another"]
   assert [r["text"] for r in loaders["dev"]()] == ["fine"]
+  # Another data set's file: a path relative to data.dir, or an absolute one.
+  (tmp_path / "sst2").mkdir()
+  for name in ("train.tsv", "dev.tsv"):
+    (tmp_path / "sst2" / name).write_text("sentence\tlabel\nshort one\t1\n")
+  for path in ("../unsup.txt", str(tmp_path / "unsup.txt")):
+    loaders, _ = MaskedLMTask.local_splits(
+        str(tmp_path / "sst2"), ["train"], dataclasses.replace(data, extra_text=path))
+    assert [r["text"] for r in loaders["train"]()] == [
+        "short one", "an unlabelled review", "another"]
   with pytest.raises(UserError, match="data.text_of"):
     MaskedLMTask.local_splits(str(tmp_path), ["train"], DataOptions(source="local"))
 

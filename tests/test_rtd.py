@@ -203,6 +203,24 @@ def test_rtd_loss_falls_on_a_tiny_corpus(rtd_recipe):
   assert {"eval/f1", "eval/loss"} <= set(final)                     # the tagger's
 
 
+def test_separation_ranks_replaced_tokens_above_originals_after_the_stage(rtd_recipe):
+  from benchmarks.rtd_separation import auc, separation
+  scores = np.random.default_rng(0).integers(0, 4, (2, 40)).astype(float)   # many ties
+  pairwise = np.mean([(a > b) + 0.5 * (a == b) for a in scores[0] for b in scores[1]])
+  assert auc(scores[0], scores[1]) == pytest.approx(pairwise)
+  assert auc(np.array([2.0, 3.0]), np.array([0.0, 1.0])) == 1.0
+  _, workdir, _ = rtd_recipe
+  found = separation(os.path.join(workdir, "pretrain"), batches=2)
+  for kind in ("generator", "uniform"):     # the trained discriminator is not blind
+    assert found[kind]["step"] == PRETRAIN and 0 < found[kind]["replaced"] < found[kind]["real"]
+    assert found[kind]["auc"] > 0.6, found
+    assert found[kind]["replaced_logit"] > found[kind]["original_logit"]
+  with pytest.raises(UserError, match="--step=7"):
+    separation(os.path.join(workdir, "pretrain"), step=7)
+  with pytest.raises(UserError, match="not 'rtd'"):
+    separation(workdir)
+
+
 def test_init_from_carries_the_discriminators_encoder_and_not_the_generator(rtd_recipe,
                                                                            tmp_path):
   config, workdir, _ = rtd_recipe

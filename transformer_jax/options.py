@@ -131,6 +131,7 @@ class DataOptions(_Options):
   br_tags: str = "keep"                     # classification: "<br />" kept, or a "space"
   text_of: str = ""                         # mlm: the task whose files hold the text
   extra_text: str = ""                      # mlm: a file of one text per line, added to train
+                                           # (a name in dir, or a path from dir or absolute)
   pack: bool = True
   max_segments: int = 0
   eval_max_length: int = 128
@@ -240,16 +241,16 @@ class DistributedOptions(_Options):
 
 @dataclasses.dataclass(frozen=True)
 class PretrainOptions(_Options):
-  """Self-pretraining (training/recipe.py): with `enabled`, `train.py` first trains a
-  masked language model (task "mlm") on the text of the run's training split (plus the
-  lines of `extra_text` in data.dir) in W/pretrain, with its own vocabulary (`vocab_size`,
-  0: data.vocab_size), steps, batch (0: the run's) and peak learning rate (0: the run's),
-  then fine-tunes from it in W. `mask_rate`: the share of tokens the model predicts.
-  `dropout_rate` / `attention_dropout_rate`: the stage's own (BERT's 0.1 by default; the
-  fine-tuning keeps the run's). `max_length`: tokens per packed row, also in evaluation (0: the
-  run's). `too_long`: what a longer training text becomes ("": the run's data.too_long;
-  "split" keeps all of a long review, in pieces). `objective`: the stage's task, "mlm" or
-  "rtd" (replaced-token detection, ELECTRA's; its discriminator loss weighs
+  """Self-pretraining (training/recipe.py): with `enabled`, `train.py` first trains a masked
+  language model (task "mlm") on the text of the run's training split (plus the lines of the
+  file `extra_text`, in or from data.dir) in W/pretrain, with its own vocabulary
+  (`vocab_size`, 0: data.vocab_size), steps, batch (0: the run's) and peak learning rate (0:
+  the run's), then fine-tunes from it in W. `mask_rate`: the share of tokens the model
+  predicts. `dropout_rate` / `attention_dropout_rate`: the stage's own (BERT's 0.1 by
+  default; the fine-tuning keeps the run's). `max_length`: tokens per packed row, also in
+  evaluation (0: the run's). `too_long`: what a longer training text becomes ("": the run's
+  data.too_long; "split" keeps all of a long review, in pieces). `objective`: the stage's
+  task, "mlm" or "rtd" (replaced-token detection, ELECTRA's; its discriminator loss weighs
   `discriminator_weight` times the generator's)."""
   enabled: bool = False
   objective: str = "mlm"

@@ -27,7 +27,8 @@ class DataFormatError(UserError):
 
 
 def find_file(directory: str, stem: str) -> str:
-  """`directory/stem`, or `directory/stem.gz`; a clear error if neither exists."""
+  """`directory/stem`, or `directory/stem.gz` (`stem` may be a path relative to
+  `directory`, or absolute); a clear error if neither exists."""
   for name in (stem, stem + ".gz"):
     path = os.path.join(directory, name)
     if os.path.isfile(path):

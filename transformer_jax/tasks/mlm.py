@@ -5,7 +5,8 @@ or tagger then starts from it with `init_from` (training/recipe.py runs both sta
 
 Records: {"text": str}, read through the task that `data.text_of` names (its files in
 data.dir, or its TFDS converter), plus the lines of `data.extra_text` in the training split
-(IMDB's unlabelled reviews). Batch keys: tokens, positions, segment_ids[, chars].
+(IMDB's unlabelled reviews; a file name in data.dir, or a path relative to it or absolute).
+Batch keys: tokens, positions, segment_ids[, chars].
 
 Masking happens in the loss, on the device, with the step's random key: each epoch sees new
 masks (RoBERTa's dynamic masking); evaluation uses one fixed key, so its figures compare
@@ -94,7 +95,7 @@ class MaskedLMTask(EncoderTask):
   @classmethod
   def local_splits(cls, directory: str, splits: Sequence[str], data: DataOptions):
     """The text of the records of data.text_of's files; the training split also holds each
-    line of data.extra_text (a file in data.dir), if named."""
+    line of data.extra_text (a file in data.dir, or a path from it), if named."""
     text_task = _text_task(data)
     loaders, _ = text_task.local_splits(directory, splits, data)
     extra = readers.find_file(directory, data.extra_text) if data.extra_text else None
