@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,8 @@ def auc(positive: np.ndarray, negative: np.ndarray) -> float:
   return float((ranks[:n].sum() - n * (n + 1) / 2) / (n * len(negative)))
 
 
-def judged(task: ReplacedTokenDetectionTask, params, batch: dict, key: jax.Array):
+def judged(task: ReplacedTokenDetectionTask, params: Any, batch: dict[str, jax.Array],
+           key: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
   """The discriminator's logits (B, T) and replaced labels (B, T) for the batch with its
   masked positions drawn by the generator, and the same for uniform draws there."""
   masked, weights, _ = task.masked_inputs(batch, None, False)
