@@ -13,7 +13,6 @@ was trained on, and entries drawn uniformly from the vocabulary.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -26,7 +25,7 @@ from transformer_jax import checkpoint, errors
 from transformer_jax.config import PAD_ID
 from transformer_jax.errors import UserError
 from transformer_jax.tasks.mlm import FIRST_MASKABLE
-from transformer_jax.tasks.rtd import ReplacedTokenDetectionTask, replace_tokens
+from transformer_jax.tasks.rtd import ReplacedTokenDetectionTask
 from transformer_jax.training.experiment import Experiment
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The stage's workdir (a run's W/pretrain).")
@@ -48,36 +47,31 @@ def judged(task: ReplacedTokenDetectionTask, params: Any, batch: dict[str, jax.A
   """The discriminator's logits (B, T) and replaced labels (B, T) for the batch with its
   masked positions drawn by the generator, and the same for uniform draws there."""
   masked, weights, _ = task.masked_inputs(batch, None, False)
+  _, drawn = task.generate(params, batch, masked, weights, key, None, False)
   at, tokens = masked["predict_at"], batch["tokens"]
-  drawn = replace_tokens(key, tokens, task.generator_logits(params, masked, None, False),
-                         at, weights)
   uniform = jax.random.randint(key, at.shape, FIRST_MASKABLE, task.model_config.vocab_size)
   uniform = jnp.where(weights > 0, uniform.astype(tokens.dtype),
                       jnp.take_along_axis(tokens, at, 1))
   rows = jnp.arange(tokens.shape[0])[:, None]
-  out = []
-  for changed in (drawn, tokens.at[rows, at].set(uniform)):
-    inputs, replaced = task.replaced_batch(batch, changed)
-    out.append((task.logits(params, inputs, None, False), replaced))
-  return out
+  return [task.judge(params, batch, changed, None, False)
+          for changed in (drawn, tokens.at[rows, at].set(uniform))]
 
 
 def separation(workdir: str, step: int = 0, batches: int = 4) -> dict[str, dict[str, float]]:
   """For each kind of draw ("generator", "uniform"): the AUC, the replaced and real token
   counts, and the mean logits of the replaced and of the original tokens, over the first
   `batches` dev batches, at checkpoint `step` (0: the newest) of the stage in `workdir`."""
-  if not os.path.isfile(os.path.join(workdir, "config.json")):
-    raise UserError(f"--workdir={workdir!r}: no config.json there; give a replaced-token-"
-                    "detection stage's workdir (a run's W/pretrain)")
-  with open(os.path.join(workdir, "config.json")) as f:
-    config = json.load(f)
+  directory = os.path.join(workdir, checkpoint.CHECKPOINT_DIR)
+  steps = checkpoint.checkpoint_steps(directory) if os.path.isdir(directory) else []
+  if not steps:
+    raise UserError(f"--workdir={workdir!r}: no checkpoints in {directory}; give a replaced-"
+                    "token-detection stage's workdir (a run's W/pretrain)")
+  step = step or steps[-1]
+  if step not in steps:
+    raise UserError(f"--step={step}: {directory} holds steps {steps}")
+  config = checkpoint.read_record(os.path.join(directory, str(step))).config
   if config.get("task") != ReplacedTokenDetectionTask.name:
     raise UserError(f"--workdir={workdir}: its task is {config.get('task')!r}, not 'rtd'")
-  directory = os.path.join(workdir, checkpoint.CHECKPOINT_DIR)
-  steps = checkpoint.checkpoint_steps(directory)
-  step = step or (steps[-1] if steps else 0)
-  if step not in steps:
-    raise UserError(f"--step={step}: {directory} holds steps {steps or 'none'}")
   experiment = Experiment.create(config, workdir)
   task = experiment.task
   params = checkpoint.restore_params(os.path.join(directory, str(step)))

@@ -214,6 +214,23 @@ class ReplacedTokenDetectionTask(MaskedLMTask):
       out["chars"] = jnp.where(replaced[..., None], spelled, batch["chars"])
     return out, replaced
 
+  def generate(self, params: Any, batch: Batch, masked: Batch, weights: jax.Array,
+               draw_rng: jax.Array, rng: jax.Array | None,
+               train: bool) -> tuple[jax.Array, jax.Array]:
+    """The generator's logits (B, K, V) at the chosen positions of `masked` (the batch with
+    them masked; `weights` (B, K) marks the real ones), and the batch's tokens (B, T) with
+    a draw from them there."""
+    logits = self.generator_logits(params, masked, rng, train)
+    return logits, replace_tokens(draw_rng, batch["tokens"], logits, masked["predict_at"],
+                                  weights)
+
+  def judge(self, params: Any, batch: Batch, changed: jax.Array, rng: jax.Array | None,
+            train: bool) -> tuple[jax.Array, jax.Array]:
+    """The discriminator's logits (B, T) on the batch with the tokens `changed` (B, T), and
+    its labels, the tokens that differ from the original (B, T)."""
+    inputs, replaced = self.replaced_batch(batch, changed)
+    return self.logits(params, inputs, rng, train), replaced
+
   def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
                 train: bool) -> dict[str, jax.Array]:
     masked, weights, rng = self.masked_inputs(batch, rng, train)
@@ -221,14 +238,13 @@ class ReplacedTokenDetectionTask(MaskedLMTask):
       draw_rng, generator_rng, discriminator_rng = jax.random.split(rng, 3)
     else:
       draw_rng, generator_rng, discriminator_rng = jax.random.PRNGKey(_EVAL_DRAW_KEY), None, None
-    at = masked["predict_at"]
-    logits = self.generator_logits(params, masked, generator_rng, train)           # (B, K, V)
-    sums = cross_entropy_sums(logits, jnp.take_along_axis(batch["tokens"], at, 1),
-                              self.label_smoothing if train else 0.0, weights=weights)
-    changed = replace_tokens(draw_rng, batch["tokens"], logits, at, weights)
-    replaced_input, replaced = self.replaced_batch(batch, changed)
-    judged = discriminator_sums(self.logits(params, replaced_input, discriminator_rng, train),
-                                replaced, batch["tokens"] != PAD_ID)
+    logits, changed = self.generate(params, batch, masked, weights, draw_rng, generator_rng,
+                                    train)                                        # (B, K, V)
+    original = jnp.take_along_axis(batch["tokens"], masked["predict_at"], 1)         # (B, K)
+    sums = cross_entropy_sums(logits, original, self.label_smoothing if train else 0.0,
+                              weights=weights)
+    judged = discriminator_sums(*self.judge(params, batch, changed, discriminator_rng, train),
+                                batch["tokens"] != PAD_ID)
     weight = self.head["discriminator_weight"] * self.head["mask_rate"]
     return {**sums, **judged, "loss": sums["loss"] + weight * judged["discriminator_loss"]}
 
