@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_helpers import finish, start
 from conftest import tiny_config
 from test_bad_inputs import run_user_error
 from test_tasks import _lines, _shrink, entity_corpus
@@ -219,6 +220,14 @@ def test_separation_ranks_replaced_tokens_above_originals_after_the_stage(rtd_re
     separation(os.path.join(workdir, "pretrain"), step=7)
   with pytest.raises(UserError, match="not 'rtd'"):
     separation(workdir)
+
+
+def test_the_separation_command_reports_a_workdir_without_checkpoints_in_one_line(tmp_path):
+  status, output = finish(start("-m", "benchmarks.rtd_separation", f"--workdir={tmp_path}"))
+  assert status == 2 and "Traceback" not in output
+  assert output.strip().splitlines() == [
+      f"error: --workdir={str(tmp_path)!r}: no checkpoints in {tmp_path}/checkpoints; give a "
+      "replaced-token-detection stage's workdir (a run's W/pretrain)"]
 
 
 def test_init_from_carries_the_discriminators_encoder_and_not_the_generator(rtd_recipe,
