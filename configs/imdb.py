@@ -70,7 +70,7 @@ def get_config() -> ml_collections.ConfigDict:
   # 12% masked accuracy; cut to its head and tail it gave no gain (seed 0: 89.32% dev against
   # 89.28% from scratch); in pieces, 89.80 +- 0.35% dev over seeds 0-2 (2026-11-26), from scratch
   # 89.35 +- 0.32% on the same code. Replaced-token detection as the stage
-  # (--config.pretrain.objective=rtd), seed 0: 89.64% against the masked LM's 89.40%.
+  # (--config.pretrain.objective=rtd), seeds 0-2: 89.25 +- 0.34% (2026-11-27).
   config.pretrain.update(dict(enabled=True, num_train_steps=3400, warmup_steps=500,
                               batch_size=64, max_length=128, too_long="split",
                               dropout_rate=0.0, attention_dropout_rate=0.0,
