@@ -60,6 +60,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer = ml_collections.ConfigDict(dict(
       name="adam", b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.0,
       schedule="warmup_cosine", learning_rate=3e-3, warmup_steps=200, clip_grad_norm=1.0,
+      end_learning_rate=0.0,       # warmup_cosine: the rate it decays to
+      decay_matrices_only=False,   # adamw: weight decay on matrices only (not biases, norms)
       pretrained_rate_scale=1.0))   # init_from another task's encoder: its modules' rate factor
   # Annealing to 0 matters here: with the paper's rsqrt decay the same model plateaus
   # below 99% exact match in this budget.
@@ -67,7 +69,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Search options for evaluation and predict.
   config.decode = ml_collections.ConfigDict(dict(
       beam_size=4, alpha=0.6, max_extra_length=4,
-      bio_constrained=True))   # tagging: most likely valid BIO sequence (False: argmax per word)
+      bio_constrained=True,    # tagging: most likely valid BIO sequence (False: argmax per word)
+      # lm: continuations of max_new_tokens, at temperature (0: greedy), from the top_k
+      # tokens (0: all) and the top_p nucleus (1: all); seed fixes the draws
+      max_new_tokens=200, temperature=0.8, top_k=0, top_p=1.0, seed=0))
   # Periodic evaluation: the first `examples` of the eval split (0 = all), teacher-forced
   # loss and decoding alike, `batch_size` rows per batch; `num_samples` printed.
   config.eval = ml_collections.ConfigDict(dict(batch_size=250, examples=1000, num_samples=5))
@@ -111,7 +116,7 @@ def text_data(**fields) -> ml_collections.ConfigDict:
       source_language="", target_language="",   # seq2seq: file suffixes / TFDS features
       labels="",                 # class names by label index, or the tag set ("" = train's)
       train_split="train", eval_split="validation", test_split="",
-      tokenizer="sentencepiece",  # sentencepiece | words (tagging needs words)
+      tokenizer="sentencepiece",  # sentencepiece | words (tagging needs words) | chars
       vocab_size=8000, shared_vocab=True, spm_model_type="unigram",
       tokenizer_max_examples=0,  # train the tokenizer on a sample of this size (0 = all)
       min_word_count=2,          # words: rarer words map to their shape (<unk:Xx>, ...)
@@ -121,6 +126,7 @@ def text_data(**fields) -> ml_collections.ConfigDict:
       br_tags="keep",            # classification: "<br />" in the text: keep | space
       text_of="",                # mlm: the task whose files hold the text
       extra_text="",             # mlm: a file in dir (or a path from it), one text a line
+      layout="stream",           # lm: "stream" (windows of the token stream) | "documents"
       pack=True,                 # several examples per row (False: one, padded)
       max_segments=0,            # classification: label slots per packed row
       eval_max_length=128,       # evaluation: longest bucket (longer examples truncated)

@@ -154,7 +154,7 @@ def test_truncation_keeps_head_tail_or_both():
 def test_scoring_only_the_masked_positions_equals_the_full_output_there():
   from conftest import random_tokens, tiny_config
 
-  from transformer_jax.modules.models import MaskedLanguageModel
+  from transformer_jax.modules.heads import MaskedLanguageModel
   model = MaskedLanguageModel(tiny_config(num_decoder_layers=0))
   tokens = jnp.asarray(random_tokens(0, 2, 12))
   params = model.init(jax.random.PRNGKey(0), tokens)

@@ -15,7 +15,7 @@ from transformer_jax.bio import allowed_transitions, viterbi
 from transformer_jax.config import UNK_ID
 from transformer_jax.inputs import character_ids
 from transformer_jax.modules import crf
-from transformer_jax.modules.models import TokenClassifier
+from transformer_jax.modules.heads import TokenClassifier
 from transformer_jax.tasks import TaggingTask
 
 LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]

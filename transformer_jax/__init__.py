@@ -19,8 +19,9 @@ _LAZY = {
     "Transformer": "transformer_jax.modules.models",
     "Encoder": "transformer_jax.modules.models",
     "Decoder": "transformer_jax.modules.models",
-    "EncoderClassifier": "transformer_jax.modules.models",
-    "TokenClassifier": "transformer_jax.modules.models",
+    "LanguageModel": "transformer_jax.modules.models",
+    "EncoderClassifier": "transformer_jax.modules.heads",
+    "TokenClassifier": "transformer_jax.modules.heads",
     "count_params": "transformer_jax.params",
 }
 
@@ -38,7 +39,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "TransformerConfig", "Transformer", "Encoder", "Decoder", "EncoderClassifier",
+    "TransformerConfig", "Transformer", "Encoder", "Decoder", "LanguageModel", "EncoderClassifier",
     "TokenClassifier", "InputError", "check_inputs", "check_token_ids", "count_params",
     "PAD_ID", "BOS_ID", "EOS_ID", "UNK_ID",
 ]

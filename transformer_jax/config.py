@@ -22,7 +22,8 @@ UNK_ID = 3
 
 _CHOICES = {
     "norm_position": ("post", "pre"),
-    "positional": ("sinusoidal", "learned"),
+    "positional": ("sinusoidal", "learned", "rotary"),
+    "norm_type": ("layer", "rms"),
     "activation": ("relu", "gelu", "swish", "silu"),
     "sinusoidal_layout": ("interleaved", "halves"),
     "attention_impl": ("einsum", "xla", "cudnn", "splash", "auto"),
@@ -50,7 +51,18 @@ class TransformerConfig:
     share_embeddings: one embedding table for source and target (needs equal vocabularies).
     tie_output: the pre-softmax projection reuses the target embedding (paper §3.4).
     norm_position: "post" (paper: LayerNorm(x + Sublayer(x))) or "pre" (with a final norm).
-    positional: "sinusoidal" (paper §3.5) or "learned".
+    positional: "sinusoidal" (paper §3.5), "learned", or "rotary" (RoPE, Su et al. 2021:
+      queries and keys of self-attention rotated by their position, so their dot product
+      depends on relative position only; nothing is added to the embeddings).
+    rope_theta: the base of the rotary frequencies (10,000 as in RoFormer and LLaMA).
+    norm_type: "layer" (LayerNorm, the paper's) or "rms" (RMSNorm: no mean, no bias).
+    gated_ffn: the feed-forward is act(x W_gate) * (x W_up) W_down (with activation
+      "silu": SwiGLU, Shazeer 2020) instead of act(x W1) W2.
+    num_kv_heads: key/value heads of self- and cross-attention (grouped-query attention,
+      Ainslie et al. 2023); each serves num_heads / num_kv_heads query heads. None: as
+      many as query heads (multi-head attention).
+    use_bias: biases in the attention and feed-forward projections and the LayerNorms
+      (False: none, as in PaLM and LLaMA).
     activation: feed-forward nonlinearity, "relu" (paper), "gelu" (tanh approximation), or
       "swish" / "silu" (two names of x * sigmoid(x), as Marian and Hugging Face spell it).
     sinusoidal_layout: where the sinusoids go: "interleaved" (paper: sin at even, cos at odd
@@ -96,6 +108,11 @@ class TransformerConfig:
   tie_output: bool = True
   norm_position: str = "post"
   positional: str = "sinusoidal"
+  rope_theta: float = 10000.0
+  norm_type: str = "layer"
+  gated_ffn: bool = False
+  num_kv_heads: int | None = None
+  use_bias: bool = True
   activation: str = "relu"
   sinusoidal_layout: str = "interleaved"
   final_logits_bias: bool = False
@@ -149,6 +166,10 @@ class TransformerConfig:
     return self.vocab_size if self.target_vocab_size is None else self.target_vocab_size
 
   @property
+  def kv_heads(self) -> int:
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+  @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
 
@@ -185,12 +206,26 @@ class TransformerConfig:
         fail(field, "must be a number in [0, 1)")
     if not isinstance(self.layer_norm_epsilon, (int, float)) or self.layer_norm_epsilon <= 0:
       fail("layer_norm_epsilon", "must be a positive number")
-    for field in ("scan_layers", "fused_qkv", "final_logits_bias", "zero_decoder_start"):
+    for field in ("scan_layers", "fused_qkv", "final_logits_bias", "zero_decoder_start",
+                  "gated_ffn", "use_bias"):
       if not isinstance(getattr(self, field), bool):
         fail(field, "must be True or False")
     for field, choices in _CHOICES.items():
       if getattr(self, field) not in choices:
         fail(field, f"must be one of {choices}")
+    if self.num_kv_heads is not None:
+      if (not isinstance(self.num_kv_heads, int) or isinstance(self.num_kv_heads, bool)
+          or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
+        fail("num_kv_heads", f"must be a positive divisor of num_heads={self.num_heads} "
+             "(or None: one key/value head per query head)")
+      if self.fused_qkv and self.num_kv_heads != self.num_heads:
+        fail("fused_qkv", "projects as many key/value heads as query heads; set it to "
+             "False for grouped-query attention (num_kv_heads < num_heads)")
+    if self.positional == "rotary" and self.head_dim % 2:
+      fail("positional", f"rotary positions rotate pairs of dimensions: the head dimension "
+           f"d_model / num_heads = {self.head_dim} must be even")
+    if not isinstance(self.rope_theta, (int, float)) or not self.rope_theta > 0:
+      fail("rope_theta", "must be a positive number")
     if self.attention_impl in ("cudnn", "splash") and self.attention_dropout_rate > 0:
       fail("attention_dropout_rate", f"the {self.attention_impl} kernel has no attention "
            "dropout; set it to 0, or attention_impl to 'einsum'")   # "auto": experiment.py

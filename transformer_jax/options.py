@@ -21,7 +21,10 @@ DATA_SOURCES = ("synthetic", "local", "tfds")
 # The generated tasks of data/synthetic.py. The list lives here, with the other choices the
 # schema checks, so that the schema need not import the data package (which imports it).
 SYNTHETIC_TASKS = ("reverse", "sort", "add")
-TOKENIZERS = ("sentencepiece", "words")
+TOKENIZERS = ("sentencepiece", "words", "chars")
+# How a language model reads its text files (tasks/lm.py): the split as one token stream cut
+# into windows of max_length, or its paragraphs as documents packed with segment ids.
+TEXT_LAYOUTS = ("stream", "documents")
 # A training example longer than data.max_length: dropped, truncated (data.truncate says
 # which tokens stay), or split into consecutive pieces of max_length tokens.
 TOO_LONG_POLICIES = ("drop", "truncate", "split")
@@ -79,12 +82,28 @@ class DecodeOptions(_Options):
   alpha: float = 0.6
   max_extra_length: int = 50
   bio_constrained: bool = True
+  # A language model's sampling (sampling.py): `max_new_tokens` per prompt, at
+  # `temperature` (0: greedy), from the `top_k` most likely tokens (0: all) and the
+  # smallest set holding `top_p` of the probability; `seed` fixes the draws.
+  max_new_tokens: int = 200
+  temperature: float = 0.8
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
 
   def __post_init__(self) -> None:
     _integer("decode.", "beam_size", self.beam_size, 1)
     _integer("decode.", "max_extra_length", self.max_extra_length, 0)
     if not isinstance(self.alpha, (int, float)) or self.alpha < 0:
       raise UserError(f"decode.alpha={self.alpha!r}: must be a number >= 0")
+    _integer("decode.", "max_new_tokens", self.max_new_tokens, 1)
+    _integer("decode.", "top_k", self.top_k, 0)
+    _integer("decode.", "seed", self.seed, 0)
+    if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+      raise UserError(f"decode.temperature={self.temperature!r}: must be a number >= 0 "
+                      "(0: greedy)")
+    if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+      raise UserError(f"decode.top_p={self.top_p!r}: must be in (0, 1] (1: no cut)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +151,7 @@ class DataOptions(_Options):
   text_of: str = ""                         # mlm: the task whose files hold the text
   extra_text: str = ""                      # mlm: a file of one text per line, added to train
                                            # (a name in dir, or a path from dir or absolute)
+  layout: str = "stream"                    # lm: "stream" or "documents" (TEXT_LAYOUTS)
   pack: bool = True
   max_segments: int = 0
   eval_max_length: int = 128
@@ -153,6 +173,7 @@ class DataOptions(_Options):
     check_choice("data.", "br_tags", self.br_tags, ("keep", "space"))
     _integer("data.", "eval_batch_tokens", self.eval_batch_tokens, 0)
     check_choice("data.", "tokenizer", self.tokenizer, TOKENIZERS)
+    check_choice("data.", "layout", self.layout, TEXT_LAYOUTS)
 
   @property
   def synthetic(self) -> bool:
@@ -187,6 +208,8 @@ class OptimizerOptions(_Options):
   learning_rate: float = 0.0
   warmup_steps: int = 4000
   clip_grad_norm: float = 0.0
+  end_learning_rate: float = 0.0       # warmup_cosine: the rate at the last step
+  decay_matrices_only: bool = False    # adamw: no decay of vectors (biases, norm scales)
   pretrained_rate_scale: float = 1.0
 
   def __post_init__(self) -> None:
@@ -198,6 +221,9 @@ class OptimizerOptions(_Options):
     _integer("optimizer.", "warmup_steps", self.warmup_steps, 0)
     if self.schedule == "rsqrt" and self.warmup_steps < 1:
       raise UserError("optimizer.warmup_steps must be >= 1 for the rsqrt schedule")
+    if not 0 <= self.end_learning_rate <= max(self.learning_rate, 0):
+      raise UserError(f"optimizer.end_learning_rate={self.end_learning_rate}: must be in "
+                      f"[0, learning_rate={self.learning_rate}]")
     if self.schedule != "rsqrt" and not self.learning_rate > 0:
       raise UserError(f"optimizer.learning_rate={self.learning_rate}: must be > 0 for "
                       f"schedule {self.schedule!r}")

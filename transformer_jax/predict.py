@@ -3,9 +3,11 @@
   python -m transformer_jax.predict --workdir W [--input IN] [--output OUT]
       [--beam_size 4] [--alpha 0.6] [--batch_size 64] [--checkpoint DIR]
       [--too_long refuse|truncate]
+      [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--seed S]   (lm)
 
 Translation: text in, text out. Classification: text in, label out. Tagging: words
-separated by spaces or tabs in, one tag per word out. Loads the workdir's newest model: the
+separated by spaces or tabs in, one tag per word out. Language model: a prompt in, its
+continuation out (`\n` in either stands for a newline, `\\` for a backslash). Loads the workdir's newest model: the
 highest-step parameter snapshot in W/exports/ or checkpoint in W/checkpoints/ (a snapshot
 wins at the same step; a damaged one is skipped with a warning), or the snapshot or
 checkpoint directory given as --checkpoint. The model's config, tokenizer(s) and label
@@ -141,8 +143,11 @@ class Predictor:
     if self.policy.too_long == "window":
       return self._stitched(batches, lengths, outputs, decode)
     for batch in batches:
+      extra = {}
+      if getattr(self.task, "draws", False):   # a sampled row's key: its line's number
+        extra["line_numbers"] = [first_line + r["line"] for r in batch.records]
       for record, output in zip(batch.records, self.task.predict(self.params, batch.arrays,
-                                                                 decode)):
+                                                                 decode, **extra)):
         outputs[record["line"]] = output
     return outputs
 
@@ -177,14 +182,19 @@ def _batches(lines: Iterable[str], size: int) -> Iterable[list[str]]:
 
 def predict(workdir: str | None, infile: BinaryIO, outfile: TextIO, beam_size: int | None,
             alpha: float | None, batch_size: int, checkpoint_path: str | None = None,
-            too_long: str | None = None) -> int:
+            too_long: str | None = None, **sampling: Any) -> int:
   """Predicts every line of `infile` (bytes, read as serving/line_policy.py says) into
-  `outfile`; beam_size/alpha None: the run's own; too_long None: as the training did."""
+  `outfile`; beam_size/alpha None: the run's own; too_long None: as the training did.
+  `sampling`: a language model's decode options (max_new_tokens, temperature, top_k,
+  top_p, seed; None: the run's)."""
   predictor = Predictor(workdir, checkpoint_path, too_long)
-  decode = predictor.decode_options(beam_size=beam_size, alpha=alpha)
+  decode = predictor.decode_options(beam_size=beam_size, alpha=alpha, **sampling)
   reader = LineReader(infile)
+  lines: Iterable[str] = reader
+  if getattr(predictor.task, "strict_utf8", False):
+    lines = _utf8_only(reader)
   count = 0
-  for batch in _batches(reader, batch_size):
+  for batch in _batches(lines, batch_size):
     for line in predictor.predict_lines(batch, decode, first_line=count + 1):
       outfile.write(line + "\n")
       count += 1
@@ -195,7 +205,25 @@ def predict(workdir: str | None, infile: BinaryIO, outfile: TextIO, beam_size: i
   return count
 
 
+def _utf8_only(reader: LineReader) -> Iterable[str]:
+  """The reader's lines, stopping at the first that is not UTF-8 (a prompt is not guessed
+  at: its continuation would continue other characters)."""
+  for line in reader:
+    if reader.not_utf8:
+      raise InputError(f"input line {reader.not_utf8[0]}: not valid UTF-8; convert the "
+                       "file to UTF-8")
+    yield line
+
+
 FLAGS = flags.FLAGS
+# A language model's sampling flags: (name, kind, help); None leaves the run's decode option.
+_SAMPLING_FLAGS = (
+    ("max_new_tokens", flags.DEFINE_integer, "Tokens to continue each prompt by (> 0)."),
+    ("temperature", flags.DEFINE_float, "Sampling temperature (>= 0; 0: greedy)."),
+    ("top_k", flags.DEFINE_integer, "Draw from the k most likely tokens only (> 0)."),
+    ("top_p", flags.DEFINE_float, "Draw from the smallest set of tokens holding this share "
+     "of the probability, in (0, 1]."),
+    ("seed", flags.DEFINE_integer, "Random seed of the draws: the same seed, the same text."))
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
@@ -220,6 +248,21 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                     "refuses), 'refuse' stops with an error naming the line. Default: "
                     "truncate (refuse for translation).", **define)
 
+  for name, define_flag, help_text in _SAMPLING_FLAGS:
+    define_flag(name, None, f"Language models: {help_text} Default: the run's decode.{name}.",
+                **define)
+
+
+def _check_sampling_flags() -> None:
+  checks = {"max_new_tokens": (lambda v: v > 0, "> 0"), "temperature": (lambda v: v >= 0, ">= 0"),
+            "top_k": (lambda v: v > 0, "> 0"), "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+            "seed": (lambda v: v >= 0, ">= 0")}
+  for name, (valid, need) in checks.items():
+    value = FLAGS[name].value
+    if value is not None and not valid(value):     # `not valid`: NaN fails too
+      raise UserError(f"--{name}={value}: must be {need}")
+
+
 def _check_flags() -> None:
   """The flags, before a model is loaded."""
   if FLAGS.workdir is None and FLAGS.checkpoint is None:
@@ -229,6 +272,7 @@ def _check_flags() -> None:
     value = FLAGS[name].value
     if value is not None and not value >= low:    # `not >=`: NaN fails too
       raise UserError(f"--{name}={value}: must be >= {low}")
+  _check_sampling_flags()
   if FLAGS.input != "-" and not os.path.isfile(FLAGS.input):
     raise MissingFileError(f"--input={FLAGS.input}: no such file")
   if FLAGS.output != "-":
@@ -247,12 +291,13 @@ def main(argv):
   except OSError as e:
     raise UserError(f"--input={FLAGS.input}: {e.strerror or e}") from None
   args = (FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_size, FLAGS.checkpoint, FLAGS.too_long)
+  sampling = {name: FLAGS[name].value for name, _, _ in _SAMPLING_FLAGS}
   try:
     if FLAGS.output == "-":
-      predict(FLAGS.workdir, infile, sys.stdout, *args)
+      predict(FLAGS.workdir, infile, sys.stdout, *args, **sampling)
     else:   # Replaced only once every line is predicted: a failure keeps the old results.
       with atomic_output(FLAGS.output) as outfile:
-        predict(FLAGS.workdir, infile, outfile, *args)
+        predict(FLAGS.workdir, infile, outfile, *args, **sampling)
   finally:
     if infile is not sys.stdin.buffer:
       infile.close()

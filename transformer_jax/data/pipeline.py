@@ -254,6 +254,28 @@ def train_iterator(records: Sequence[dict], task: Featurizing, *, batch_size: in
                                    (shard_index + 1) * rows_per_host), shard_count)
 
 
+def window_iterator(count: int, window: Callable[[int], Example], *, batch_size: int,
+                    seed: int, shard_index: int = 0, shard_count: int = 1,
+                    num_epochs: int | None = None, prefetch: int = 2) -> TrainIterator:
+  """Training batches of `count` fixed windows (`window(i)`: a model row, e.g. of a
+  language model's token stream), in a seeded order reshuffled every epoch, `batch_size`
+  rows each; this host's rows as `train_iterator` gives them."""
+  if batch_size % shard_count:
+    raise UserError(f"batch_size={batch_size} does not split over {shard_count} hosts")
+  rows_per_host = batch_size // shard_count
+
+  def build(per_host: bool) -> grain.IterDataset:
+    del per_host   # one global order, as for every state this iterator writes
+    ds = grain.MapDataset.range(count).shuffle(seed).repeat(num_epochs).map(window)
+    ds = ds.batch(batch_size, drop_remainder=True, batch_fn=_stack).to_iter_dataset()
+    if prefetch:
+      ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
+    return ds
+
+  return TrainIterator(build, slice(shard_index * rows_per_host,
+                                   (shard_index + 1) * rows_per_host), shard_count)
+
+
 # --------------------------------------------------------------------------- evaluation
 class EvalBatch(NamedTuple):
   """A static-shape batch and the records of its real rows (rows past them are padding)."""

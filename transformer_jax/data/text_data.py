@@ -12,10 +12,11 @@ names go to `labels.json`. Every file is written atomically.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import jax
 import numpy as np
@@ -26,6 +27,7 @@ from transformer_jax.data.corpus import Corpus
 from transformer_jax.data.tokenizer import (
   TARGET_VOCAB_FILE,
   VOCAB_FILE,
+  CharVocab,
   SentencePieceTokenizer,
   WordVocab,
   load_tokenizer,
@@ -68,6 +70,8 @@ def _train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: DataOptio
                                    config.tokenizer_max_examples, seed):
       yield task.tokenizer_texts(record)
 
+  if name == "chars":
+    return (CharVocab.build(s for s, _ in texts()),) * 2
   if name == "words":
     vocab = WordVocab.build((s if isinstance(s, list) else s.split() for s, _ in texts()),
                             min_count=config.min_word_count)
@@ -212,6 +216,13 @@ class TextData:
     c = self._config
     shard_index = jax.process_index() if shard_index is None else shard_index
     shard_count = jax.process_count() if shard_count is None else shard_count
+    if _reads_stream(task, c):
+      stream = task.token_stream(self._corpus.split(c.train_split))
+      window = functools.partial(task.stream_window, stream, length=c.max_length)
+      return pipeline.window_iterator(
+          -(-len(stream) // c.max_length), window, batch_size=batch_size, seed=self._seed,
+          shard_index=shard_index, shard_count=shard_count, num_epochs=num_epochs,
+          prefetch=c.prefetch)
     return pipeline.train_iterator(
         self._corpus.split(c.train_split), task,
         batch_size=batch_size, max_length=c.max_length, seed=self._seed,
@@ -223,6 +234,8 @@ class TextData:
                    limit: int = 0) -> list[pipeline.EvalBatch]:
     """The first `limit` examples of `split` (all if 0), bucketed by length."""
     records = self._corpus.split(split)
+    if _reads_stream(task, self._config):
+      return task.eval_windows(records, batch_size, self._config.eval_max_length, limit)
     count = len(records) if limit <= 0 else min(limit, len(records))
     batches, counts = pipeline.eval_batches(
         [records[i] for i in range(count)], task, batch_size=batch_size,
@@ -233,3 +246,19 @@ class TextData:
             f"data.eval_max_length={self._config.eval_max_length} tokens and were truncated "
             f"(data.truncate={self._config.truncate!r})")
     return batches
+
+
+@runtime_checkable
+class StreamReading(Protocol):
+  """What the "stream" layout needs of a task (tasks/lm.py provides it): the records' text
+  as one stream of token ids, a window of it as a model row, evaluation windows."""
+
+  def token_stream(self, records: Sequence[dict]) -> np.ndarray: ...
+  def stream_window(self, stream: np.ndarray, index: int,
+                    length: int) -> dict[str, np.ndarray]: ...
+  def eval_windows(self, records: Sequence[dict], batch_size: int, length: int,
+                   limit: int = 0) -> list[pipeline.EvalBatch]: ...
+
+
+def _reads_stream(task: Any, config: DataOptions) -> bool:
+  return config.layout == "stream" and isinstance(task, StreamReading)

@@ -169,6 +169,52 @@ class WordVocab:
     return cls(data["words"], data["normalize_digits"])
 
 
+class CharVocab:
+  """One id per character of the training text, in code point order after the special ids:
+  exact for any text made of those characters (whitespace and newlines included, which a
+  SentencePiece "char" model normalises away). A character it has not seen encodes to UNK
+  and decodes to U+FFFD."""
+
+  kind = "chars"
+
+  def __init__(self, chars: Sequence[str]):
+    if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):
+      raise UserError("CharVocab: characters must be unique single characters")
+    self.chars = list(chars)
+    self._ids = {c: i + len(SPECIALS) for i, c in enumerate(self.chars)}
+
+  @classmethod
+  def build(cls, texts: Iterable[str]) -> "CharVocab":
+    seen: set[str] = set()
+    for text in texts:
+      seen.update(text)
+    return cls(sorted(seen))
+
+  @property
+  def vocab_size(self) -> int:
+    return len(SPECIALS) + len(self.chars)
+
+  def encode(self, text: str) -> list[int]:
+    return [self._ids.get(c, UNK_ID) for c in text]
+
+  def unknown(self, text: str) -> list[str]:
+    """The distinct characters of `text` outside the vocabulary."""
+    return sorted({c for c in text if c not in self._ids})
+
+  def decode(self, ids: Sequence[int]) -> str:
+    offset = len(SPECIALS)
+    return "".join(self.chars[i - offset] if i >= offset else "\ufffd" if i == UNK_ID else ""
+                   for i in (int(i) for i in ids))
+
+  def save(self, path: str) -> None:
+    atomic_write_json(path, {"kind": self.kind, "chars": "".join(self.chars)})
+
+  @classmethod
+  def load(cls, path: str) -> "CharVocab":
+    with open(path) as f:
+      return cls(list(json.load(f)["chars"]))
+
+
 class MarianSentencePiece:
   """One side of MarianTokenizer (Hugging Face, OPUS-MT): a SentencePiece model cuts the
   text into pieces and a vocabulary shared by source and target maps pieces to ids (a piece
@@ -224,7 +270,7 @@ class MarianSentencePiece:
       return cls(f.read(), data["pieces"], data["append_eos"])
 
 
-_KINDS = {c.kind: c for c in (SymbolVocab, SentencePieceTokenizer, WordVocab,
+_KINDS = {c.kind: c for c in (SymbolVocab, SentencePieceTokenizer, WordVocab, CharVocab,
                               MarianSentencePiece)}
 
 

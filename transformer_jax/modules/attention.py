@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from transformer_jax.config import TransformerConfig
 from transformer_jax.modules import kernels
+from transformer_jax.modules.embedding import rotary
 from transformer_jax.sharding import partitioned
 
 Array = jax.Array
@@ -235,6 +236,15 @@ def _stacked(init: Callable, count: int) -> Callable:
 
 
 
+def _shared_by_groups(x: Array, num_heads: int) -> Array:
+  """Keys or values of K heads (B, S, K, H) -> (B, S, N, H): grouped-query attention, each
+  of the K heads serving N / K consecutive query heads (the identity when K == N). Every
+  attention path then takes them as multi-head attention's; only the parameters and the
+  decoding cache hold K heads."""
+  groups = num_heads // x.shape[2]
+  return x if groups == 1 else jnp.repeat(x, groups, axis=2)
+
+
 class MultiHeadAttention(nn.Module):
   """Multi-head attention with Q/K/V/output projections (paper §3.2.2); with
   `config.fused_qkv`, self-attention computes Q, K and V with one matmul.
@@ -249,11 +259,13 @@ class MultiHeadAttention(nn.Module):
   config: TransformerConfig
   role: str = "self"
 
-  def _projection(self, name: str) -> nn.DenseGeneral:
+  def _projection(self, name: str, heads: int | None = None) -> nn.DenseGeneral:
+    """(B, T, D) -> (B, T, heads, H): `heads` query heads by default; keys and values have
+    config.kv_heads."""
     cfg = self.config
     return nn.DenseGeneral(
-        features=(cfg.num_heads, cfg.head_dim), dtype=cfg.compute_dtype,
-        param_dtype=cfg.params_dtype, name=name,
+        features=(heads or cfg.num_heads, cfg.head_dim), dtype=cfg.compute_dtype,
+        param_dtype=cfg.params_dtype, name=name, use_bias=cfg.use_bias,
         kernel_init=partitioned(nn.initializers.xavier_uniform(), ("embed", "heads", "kv")),
         bias_init=partitioned(nn.initializers.zeros_init(), ("heads", "kv")))
 
@@ -264,7 +276,7 @@ class MultiHeadAttention(nn.Module):
     cfg = self.config
     qkv = nn.DenseGeneral(
         features=(3, cfg.num_heads, cfg.head_dim), dtype=cfg.compute_dtype,
-        param_dtype=cfg.params_dtype, name="qkv",
+        param_dtype=cfg.params_dtype, name="qkv", use_bias=cfg.use_bias,
         kernel_init=partitioned(_stacked(nn.initializers.xavier_uniform(), 3),
                                 ("embed", "qkv", "heads", "kv")),
         bias_init=partitioned(nn.initializers.zeros_init(), ("qkv", "heads", "kv")))(inputs)
@@ -272,21 +284,29 @@ class MultiHeadAttention(nn.Module):
 
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array | None,
-               mask: AttentionMask | Array | None = None, *,
+               mask: AttentionMask | Array | None = None, *, positions: Array | None = None,
                train: bool = False, decode: bool = False) -> Array:
+    """`positions` (B, T): where the queries (and in self-attention the keys) are, which
+    rotary positions (config.positional="rotary") rotate them by."""
     cfg = self.config
     if self.role == "cross":
       query = self._projection("query")(inputs_q)                    # (B, T, N, H)
-      key, value = self._cross_keys_values(inputs_kv, decode)
+      key, value = self._cross_keys_values(inputs_kv, decode)        # (B, S, K, H)
     else:
       if cfg.fused_qkv:
         query, key, value = self._fused_projection(inputs_q)
       else:
         query = self._projection("query")(inputs_q)
-        key = self._projection("key")(inputs_q)
-        value = self._projection("value")(inputs_q)
-      if decode:
+        key = self._projection("key", cfg.kv_heads)(inputs_q)
+        value = self._projection("value", cfg.kv_heads)(inputs_q)
+      if cfg.positional == "rotary":
+        if positions is None:
+          raise ValueError("rotary positions need the tokens' `positions` (B, T)")
+        query = rotary(query, positions, cfg.rope_theta)
+        key = rotary(key, positions, cfg.rope_theta)
+      if decode:   # the cache keeps K heads, not N: the memory grouped queries save
         key, value, mask = self._append_to_cache(key, value, mask)
+    key, value = _shared_by_groups(key, cfg.num_heads), _shared_by_groups(value, cfg.num_heads)
 
     implementation = kernels.resolve(cfg.attention_impl)
     if decode and implementation in kernels.KERNELS:
@@ -307,7 +327,7 @@ class MultiHeadAttention(nn.Module):
 
     return nn.DenseGeneral(
         features=cfg.d_model, axis=(-2, -1), dtype=cfg.compute_dtype,
-        param_dtype=cfg.params_dtype, name="out",
+        param_dtype=cfg.params_dtype, name="out", use_bias=cfg.use_bias,
         kernel_init=partitioned(nn.initializers.xavier_uniform(), ("heads", "kv", "embed")),
         bias_init=partitioned(nn.initializers.zeros_init(), ("embed",)))(out)
 
@@ -317,8 +337,8 @@ class MultiHeadAttention(nn.Module):
     if inputs_kv is None:
       raise ValueError("cross-attention needs the encoder output on its first decode call "
                        "(the call that initializes the cache)")
-    key = self._projection("key")(inputs_kv)
-    value = self._projection("value")(inputs_kv)
+    key = self._projection("key", self.config.kv_heads)(inputs_kv)
+    value = self._projection("value", self.config.kv_heads)(inputs_kv)
     if decode:  # First call: cache the projected source once for all decoding steps.
       self.put_variable("cache", "cross_key", key)
       self.put_variable("cache", "cross_value", value)

@@ -1,4 +1,5 @@
-"""Token embeddings (scaled by sqrt(d_model), paper §3.4) and positional encodings (§3.5)."""
+"""Token embeddings (scaled by sqrt(d_model), paper §3.4) and positional encodings (§3.5,
+learned, or rotary: applied to queries and keys by the attention, `rotary`)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,21 @@ def token_embedding(config: TransformerConfig, vocab_size: int, name: str) -> nn
                                  ("vocab", "embed")))
 
 
+def rotary(x: Array, positions: Array, theta: float) -> Array:
+  """Rotary position embedding (RoPE, Su et al. 2021) of queries or keys x (B, T, N, H) at
+  positions (B, T): dimension i of the first half and i + H/2 of the second form a pair
+  rotated by the angle position * theta^(-2i/H) (the "rotate half" layout of GPT-NeoX and
+  LLaMA), so a rotated query and key have a dot product that depends only on their
+  positions' difference. Angles in float32: bf16 positions lose precision past 256."""
+  half = x.shape[-1] // 2
+  inverse_frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)      # (H/2,)
+  angles = positions.astype(jnp.float32)[..., None] * inverse_frequencies      # (B, T, H/2)
+  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+  first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+  rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
+  return rotated.astype(x.dtype)
+
+
 class PositionalEncoding(nn.Module):
   """Adds positional information at explicit positions (B, T), so packed sequences can
   restart at 0."""
@@ -80,6 +96,8 @@ class PositionalEncoding(nn.Module):
   @nn.compact
   def __call__(self, x: Array, positions: Array) -> Array:
     cfg = self.config
+    if cfg.positional == "rotary":   # the attention rotates queries and keys instead
+      return x
     if cfg.positional == "sinusoidal":
       table = jnp.asarray(sinusoidal_table(cfg.max_len, cfg.d_model, cfg.sinusoidal_layout))
     else:

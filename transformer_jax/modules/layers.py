@@ -1,4 +1,7 @@
-"""Position-wise feed-forward network and the encoder/decoder layers (paper §3.1, §3.3)."""
+"""Position-wise feed-forward network and the encoder/decoder layers (paper §3.1, §3.3).
+
+A decoder layer without cross-attention (`cross_attention=False`) is the layer of a
+decoder-only language model (models.LanguageModel)."""
 
 from __future__ import annotations
 
@@ -16,12 +19,16 @@ _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "relu": nn.relu, "gelu": nn.gelu, "swish": nn.silu, "silu": nn.silu}
 
 
-def layer_norm(config: TransformerConfig, name: str) -> nn.LayerNorm:
+def norm(config: TransformerConfig, name: str) -> nn.Module:
+  """The config's normalisation: LayerNorm (its bias only with `use_bias`) or RMSNorm."""
+  scale_init = partitioned(nn.initializers.ones_init(), ("embed",))
+  if config.norm_type == "rms":
+    return nn.RMSNorm(epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype,
+                      param_dtype=config.params_dtype, name=name, scale_init=scale_init)
   return nn.LayerNorm(
       epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype,
-      param_dtype=config.params_dtype, name=name,
-      scale_init=partitioned(nn.initializers.ones_init(), ("embed",)),
-      bias_init=partitioned(nn.initializers.zeros_init(), ("embed",)))
+      param_dtype=config.params_dtype, name=name, use_bias=config.use_bias,
+      scale_init=scale_init, bias_init=partitioned(nn.initializers.zeros_init(), ("embed",)))
 
 
 def residual(x: Array, sublayer: Callable[[Array], Array], norm: nn.Module,
@@ -34,7 +41,8 @@ def residual(x: Array, sublayer: Callable[[Array], Array], norm: nn.Module,
 
 
 class FeedForward(nn.Module):
-  """FFN(x) = act(x W1 + b1) W2 + b2, d_model -> d_ff -> d_model (paper eq. 2)."""
+  """FFN(x) = act(x W1 + b1) W2 + b2, d_model -> d_ff -> d_model (paper eq. 2); with
+  `gated_ffn`, act(x W_gate) * (x W_up) W2 (GLU variants: SwiGLU with "silu")."""
 
   config: TransformerConfig
 
@@ -43,48 +51,57 @@ class FeedForward(nn.Module):
     cfg = self.config
     dense = lambda features, axes, name: nn.Dense(
         features, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, name=name,
+        use_bias=cfg.use_bias,
         kernel_init=partitioned(nn.initializers.xavier_uniform(), axes),
         bias_init=partitioned(nn.initializers.zeros_init(), axes[1:]))
     h = _ACTIVATIONS[cfg.activation](dense(cfg.d_ff, ("embed", "mlp"), "wi")(x))
+    if cfg.gated_ffn:
+      h = h * dense(cfg.d_ff, ("embed", "mlp"), "wi_up")(x)
     h = nn.Dropout(cfg.activation_dropout_rate, deterministic=not train)(h)
     return dense(cfg.d_model, ("mlp", "embed"), "wo")(h)
 
 
 class EncoderLayer(nn.Module):
-  """Self-attention then feed-forward, each wrapped in a residual connection."""
+  """Self-attention then feed-forward, each wrapped in a residual connection. `positions`
+  (B, T) place the queries and keys (used by rotary positions)."""
 
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x: Array, mask: AttentionMask | None, *, train: bool = False) -> Array:
+  def __call__(self, x: Array, mask: AttentionMask | None, positions: Array | None = None,
+               *, train: bool = False) -> Array:
     cfg = self.config
     dropout = nn.Dropout(cfg.dropout_rate, deterministic=not train)
     attention = MultiHeadAttention(cfg, "self", name="self_attention")
     ffn = FeedForward(cfg, name="feed_forward")
-    x = residual(x, lambda h: attention(h, None, mask, train=train),
-                 layer_norm(cfg, "self_attention_norm"), dropout, cfg.norm_position)
+    x = residual(x, lambda h: attention(h, None, mask, positions=positions, train=train),
+                 norm(cfg, "self_attention_norm"), dropout, cfg.norm_position)
     return residual(x, lambda h: ffn(h, train=train),
-                    layer_norm(cfg, "feed_forward_norm"), dropout, cfg.norm_position)
+                    norm(cfg, "feed_forward_norm"), dropout, cfg.norm_position)
 
 
 class DecoderLayer(nn.Module):
-  """Masked self-attention, cross-attention over the encoder output, feed-forward."""
+  """Masked self-attention, cross-attention over the encoder output (unless
+  `cross_attention` is False: a language model's layer), feed-forward."""
 
   config: TransformerConfig
+  cross_attention: bool = True
 
   @nn.compact
   def __call__(self, y: Array, encoded: Array | None, self_mask: AttentionMask | None,
-               cross_mask: AttentionMask, *, train: bool = False,
-               decode: bool = False) -> Array:
+               cross_mask: AttentionMask | None, positions: Array | None = None, *,
+               train: bool = False, decode: bool = False) -> Array:
     cfg = self.config
     dropout = nn.Dropout(cfg.dropout_rate, deterministic=not train)
     self_attention = MultiHeadAttention(cfg, "self", name="self_attention")
-    cross_attention = MultiHeadAttention(cfg, "cross", name="cross_attention")
     ffn = FeedForward(cfg, name="feed_forward")
-    y = residual(y, lambda h: self_attention(h, None, self_mask, train=train, decode=decode),
-                 layer_norm(cfg, "self_attention_norm"), dropout, cfg.norm_position)
-    y = residual(y, lambda h: cross_attention(h, encoded, cross_mask, train=train,
-                                              decode=decode),
-                 layer_norm(cfg, "cross_attention_norm"), dropout, cfg.norm_position)
+    y = residual(y, lambda h: self_attention(h, None, self_mask, positions=positions,
+                                             train=train, decode=decode),
+                 norm(cfg, "self_attention_norm"), dropout, cfg.norm_position)
+    if self.cross_attention:
+      cross_attention = MultiHeadAttention(cfg, "cross", name="cross_attention")
+      y = residual(y, lambda h: cross_attention(h, encoded, cross_mask, train=train,
+                                                decode=decode),
+                   norm(cfg, "cross_attention_norm"), dropout, cfg.norm_position)
     return residual(y, lambda h: ffn(h, train=train),
-                    layer_norm(cfg, "feed_forward_norm"), dropout, cfg.norm_position)
+                    norm(cfg, "feed_forward_norm"), dropout, cfg.norm_position)

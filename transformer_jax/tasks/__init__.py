@@ -11,6 +11,7 @@ from transformer_jax.errors import UserError
 from transformer_jax.options import TrainOptions
 from transformer_jax.tasks.base import EvalBatch, Task
 from transformer_jax.tasks.classification import ClassificationTask
+from transformer_jax.tasks.lm import LanguageModelTask
 from transformer_jax.tasks.mlm import MaskedLMTask
 from transformer_jax.tasks.rtd import ReplacedTokenDetectionTask
 from transformer_jax.tasks.seq2seq import Seq2SeqTask
@@ -22,7 +23,7 @@ TranslationTask = Seq2SeqTask
 
 TASKS: dict[str, type[Task]] = {
     t.name: t for t in (Seq2SeqTask, ClassificationTask, TaggingTask, MaskedLMTask,
-                        ReplacedTokenDetectionTask)}
+                        ReplacedTokenDetectionTask, LanguageModelTask)}
 
 
 def task_class(name: str) -> type[Task]:
@@ -51,5 +52,5 @@ def from_run_config(run_config: Mapping[str, Any], *, tokenizer: Any = None,
 
 
 __all__ = ["TASKS", "Task", "EvalBatch", "Seq2SeqTask", "TranslationTask", "ClassificationTask",
-           "TaggingTask", "MaskedLMTask", "ReplacedTokenDetectionTask", "task_class",
+           "TaggingTask", "MaskedLMTask", "LanguageModelTask", "ReplacedTokenDetectionTask", "task_class",
            "split_model_fields", "from_run_config"]

@@ -18,7 +18,7 @@ import numpy as np
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data import readers
 from transformer_jax.errors import UserError
-from transformer_jax.modules.models import POOLINGS, EncoderClassifier
+from transformer_jax.modules.heads import POOLINGS, EncoderClassifier
 from transformer_jax.options import DataOptions, DecodeOptions
 from transformer_jax.serving.line_policy import LinePolicy
 from transformer_jax.tasks.base import (

@@ -30,7 +30,7 @@ from transformer_jax.config import BOS_ID, PAD_ID, TransformerConfig
 from transformer_jax.data import readers
 from transformer_jax.data.vocab import SPECIALS, strip_special
 from transformer_jax.errors import UserError
-from transformer_jax.modules.models import MaskedLanguageModel
+from transformer_jax.modules.heads import MaskedLanguageModel
 from transformer_jax.options import DataOptions, DecodeOptions
 from transformer_jax.tasks.base import (
   Batch,

@@ -51,7 +51,7 @@ from transformer_jax.data.tokenizer import SHAPES
 from transformer_jax.data.vocab import SPECIALS
 from transformer_jax.errors import UserError
 from transformer_jax.inputs import character_ids
-from transformer_jax.modules.models import MaskedLanguageModel, _encode_words
+from transformer_jax.modules.heads import MaskedLanguageModel, _encode_words
 from transformer_jax.options import DecodeOptions
 from transformer_jax.sharding import partitioned
 from transformer_jax.tasks.base import (

@@ -24,7 +24,7 @@ from transformer_jax.data import readers
 from transformer_jax.errors import UserError
 from transformer_jax.metrics import entity_f1
 from transformer_jax.modules import crf
-from transformer_jax.modules.models import TokenClassifier, crf_scores
+from transformer_jax.modules.heads import TokenClassifier, crf_scores
 from transformer_jax.options import DataOptions, DecodeOptions
 from transformer_jax.tasks.base import (
   Batch,

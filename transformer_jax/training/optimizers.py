@@ -33,7 +33,8 @@ def make_schedule(cfg: OptimizerOptions, d_model: int,
       return optax.constant_schedule(peak)
     return optax.linear_schedule(0.0, peak, warmup)  # Holds `peak` after warmup.
   return optax.warmup_cosine_decay_schedule(0.0, peak, max(warmup, 1),
-                                            max(num_train_steps, warmup + 1))
+                                            max(num_train_steps, warmup + 1),
+                                            end_value=float(cfg.end_learning_rate))
 
 
 def make_optimizer(cfg: OptimizerOptions, schedule: optax.Schedule,
@@ -43,8 +44,11 @@ def make_optimizer(cfg: OptimizerOptions, schedule: optax.Schedule,
   carried over by init_from) are scaled by cfg.pretrained_rate_scale: a lower rate for a
   pretrained encoder than for its fresh head (ULMFiT's discriminative fine-tuning)."""
   if cfg.name == "adamw":
+    # decay_matrices_only: as GPT-2 and nanoGPT, no decay of biases and norm scales.
+    mask = (lambda params: jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
+            ) if cfg.decay_matrices_only else None
     tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                     weight_decay=cfg.weight_decay)
+                     weight_decay=cfg.weight_decay, mask=mask)
   else:
     tx = optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
   if cfg.clip_grad_norm and cfg.clip_grad_norm > 0:

@@ -1,0 +1,262 @@
+"""Language modelling (config task="lm"): a decoder-only Transformer (models.LanguageModel)
+trained to predict each next token of plain text, evaluated by loss per token, perplexity and
+bits per character over the whole evaluation file, and continuing prompts (sampling.py).
+
+Files: `{split}.txt` or `{split}.txt.gz` in data.dir, UTF-8 text. Records: {"text": str},
+the file's pieces at its blank lines, which join back into the whole file. data.layout:
+- "stream" (nanoGPT's): the split as one token stream cut into windows of max_length
+  tokens, shuffled each epoch. A window's row is BOS + its tokens but the last, predicting
+  its tokens: every token of the file is predicted once, from the tokens of its window
+  before it.
+- "documents": each paragraph (a record, stripped) is BOS + text -> text + EOS, packed into
+  rows with segment ids (a longer one is cut into pieces under data.too_long="split").
+
+Batch keys: inputs, targets, positions, segment_ids. A prompt line (predict, serving) is
+BOS + its text, `\\n` in it read as a newline and `\\\\` as a backslash; its output line is
+the continuation, written the same way. A prompt longer than the context keeps its last
+tokens after BOS: the model sees max_len tokens, the continuation's among them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax import sampling
+from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig
+from transformer_jax.data import readers
+from transformer_jax.data.pipeline import EvalBatch as PipelineBatch
+from transformer_jax.errors import UserError
+from transformer_jax.inputs import InputError
+from transformer_jax.modules.models import LanguageModel
+from transformer_jax.options import DataOptions, DecodeOptions
+from transformer_jax.serving.line_policy import LinePolicy
+from transformer_jax.tasks.base import (
+  Batch,
+  EvalBatch,
+  EvalStep,
+  Example,
+  Samples,
+  Task,
+  ids,
+  loss_metrics,
+  padded_getter,
+  teacher_forced_sums,
+)
+from transformer_jax.tasks.losses import cross_entropy_sums
+
+_PIECES = re.compile(r"(?<=\n\n)(?=[^\n])")   # cut after a blank line, before the next text
+_ESCAPED = re.compile(r"\\(\\|n)")
+
+
+def read_text_file(path: str) -> str:
+  """The whole file (gzipped or not) as UTF-8 text; an invalid byte is refused, naming its
+  line."""
+  return "".join(line + "\n" for _, line in readers.read_lines(path))
+
+
+def text_pieces(text: str) -> list[dict]:
+  """The text cut after its blank lines, as records that join back into it."""
+  return [{"text": piece} for piece in _PIECES.split(text) if piece]
+
+
+def escape_line(text: str) -> str:
+  """A text as one output line: backslash as `\\\\`, newline as `\\n`."""
+  return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def unescape_line(line: str) -> str:
+  return _ESCAPED.sub(lambda m: "\n" if m.group(1) == "n" else "\\", line)
+
+
+class LanguageModelTask(Task):
+  name = "lm"
+  record_keys = ("text",)
+  sequence_keys = ("inputs", "targets")
+  token_keys = {"inputs": "source"}
+  counted_keys = ("targets",)
+  metric_names = ("loss", "accuracy", "perplexity", "bits_per_character")
+  tokenizer_kinds = ("chars", "sentencepiece")
+  serving_output = "token_ids"
+  long_inputs = "truncate"     # a prompt keeps its last tokens (see `truncate`)
+  strict_utf8 = True           # a prompt that is not UTF-8 is refused, not guessed at
+  draws = True                 # predict passes each row's line number: its key
+
+  # ---------------------------------------------------------------------- data
+  @classmethod
+  def local_splits(cls, directory: str, splits: Sequence[str], data: DataOptions):
+    """`{split}.txt[.gz]`: the stream's pieces, or the paragraphs as documents."""
+    def loader(split: str) -> Callable[[], Sequence[dict]]:
+      def load() -> list[dict]:
+        records = text_pieces(read_text_file(readers.find_file(directory, f"{split}.txt")))
+        if data.layout == "documents":
+          records = [{"text": r["text"].strip()} for r in records if r["text"].strip()]
+        return records
+      return load
+    return {s: loader(s) for s in splits}, None
+
+  @classmethod
+  def tfds_converter(cls, name: str, data: DataOptions) -> Callable[[dict, int], dict]:
+    """lm1b and other TFDS text sets: the "text" feature, one document per example."""
+    from transformer_jax.data.tfds_source import feature_text
+    return lambda ex, i: {"text": feature_text(ex["text"])}
+
+  @classmethod
+  def tokenizer_texts(cls, record: dict) -> tuple[str, None]:
+    return record["text"], None
+
+  # ------------------------------------------------------------------- records
+  def record_from_line(self, line: str) -> dict:
+    """A prompt; characters a character vocabulary lacks are refused (the model never saw
+    its unknown id in training, so a continuation of it would be noise)."""
+    text = unescape_line(line)
+    unknown = self.tokenizer.unknown(text) if hasattr(self.tokenizer, "unknown") else []
+    if unknown:
+      raise UserError(f"characters {''.join(unknown)!r} are not in the model's vocabulary of "
+                      f"{self.tokenizer.vocab_size} ids; leave them out of the prompt")
+    return {"text": text}
+
+  def featurize(self, record: dict) -> Example:
+    """A document: BOS + text -> text + EOS."""
+    tokens = self.tokenizer.encode(record["text"])
+    return {"inputs": ids([BOS_ID] + tokens), "targets": ids(tokens + [EOS_ID])}
+
+  def is_empty(self, example: Example) -> bool:
+    return len(example["targets"]) <= 1
+
+  def truncate(self, example: Example, length: int, keep: str = "tail") -> Example:
+    """BOS and the last length - 1 tokens (a prompt's context)."""
+    return {k: np.concatenate([v[:1], v[len(v) - length + 1:]]) if length > 1 else v[:1]
+            for k, v in example.items()}
+
+  def line_policy(self, data: DataOptions) -> LinePolicy:
+    return LinePolicy(too_long="truncate", truncate="tail")
+
+  def model_batch(self, packed: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    get = padded_getter(packed, rows)
+    return {"inputs": get("inputs"), "targets": get("targets"),
+            "positions": get("inputs_positions"), "segment_ids": get("inputs_segment_ids")}
+
+  def batch_spec(self, rows: int, length: int,
+                 max_per_row: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
+    return {k: jax.ShapeDtypeStruct((rows, length), jnp.int32)
+            for k in ("inputs", "targets", "positions", "segment_ids")}
+
+  def token_stream(self, records: Sequence[dict]) -> np.ndarray:
+    """The records' text as one stream of token ids (the "stream" layout)."""
+    return np.fromiter((t for r in records for t in self.tokenizer.encode(r["text"])),
+                       np.int32)
+
+  @staticmethod
+  def stream_window(stream: np.ndarray, index: int, length: int) -> dict[str, np.ndarray]:
+    """Window `index` of the stream as a model row of `length` (the last one padded)."""
+    window = stream[index * length:(index + 1) * length]
+    inputs = np.concatenate([[BOS_ID], window[:-1]]).astype(np.int32)
+    pad = length - len(window)
+    row = {"inputs": inputs, "targets": window.astype(np.int32),
+           "positions": np.arange(len(window), dtype=np.int32),
+           "segment_ids": np.ones(len(window), np.int32)}
+    return {k: np.pad(v, (0, pad)) for k, v in row.items()}
+
+  # --------------------------------------------------------------------- model
+  def build_model(self, model_config: TransformerConfig) -> LanguageModel:
+    return LanguageModel(model_config)
+
+  def logits(self, params: Any, batch: Batch, rng: jax.Array | None, train: bool) -> jax.Array:
+    rngs = {"dropout": rng} if train else {}
+    return self.model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
+                            segment_ids=batch["segment_ids"], train=train, rngs=rngs)
+
+  def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
+                train: bool) -> dict[str, jax.Array]:
+    smoothing = self.label_smoothing if train else 0.0
+    return cross_entropy_sums(self.logits(params, batch, rng, train), batch["targets"],
+                              smoothing)
+
+  # ---------------------------------------------------------------- generation
+  def continue_prompts(self, params: Any, prompts: Sequence[np.ndarray],
+                       decode: DecodeOptions, line_numbers: Sequence[int]) -> list[str]:
+    """Each prompt's (BOS + tokens) continuation as text, drawn with its line's key."""
+    width = self.model_config.max_len
+    if decode.max_new_tokens >= width:
+      raise InputError(f"max_new_tokens={decode.max_new_tokens}: the model's context is "
+                       f"max_len={width} tokens, the prompt's BOS among them; ask for at "
+                       f"most {width - 1}")
+    context = width - decode.max_new_tokens
+    rows = np.zeros((len(prompts), width), np.int32)
+    lengths = np.zeros(len(prompts), np.int32)
+    for b, prompt in enumerate(prompts):
+      if len(prompt) > context:
+        prompt = np.concatenate([prompt[:1], prompt[len(prompt) - context + 1:]])
+      rows[b, :len(prompt)], lengths[b] = prompt, len(prompt)
+    run = sampling.compiled_continuation(self.model_config, decode.max_new_tokens)
+    out = run(params, rows, lengths, sampling.sample_keys(decode.seed, line_numbers),
+              jnp.float32(decode.temperature), jnp.int32(decode.top_k),
+              jnp.float32(decode.top_p))
+    return [self.tokenizer.decode(t) for t in sampling.continuations(out, lengths)]
+
+  def predict(self, params: Any, batch: Mapping[str, np.ndarray],
+              decode: DecodeOptions, line_numbers: Sequence[int] | None = None) -> list[str]:
+    """Each row's continuation as one line (escaped). A row's draws use the key of its
+    line number (default: its row)."""
+    prompts = [row[row != PAD_ID] for row in np.asarray(batch["inputs"])]
+    numbers = list(range(len(prompts))) if line_numbers is None else list(line_numbers)
+    numbers += [0] * (len(prompts) - len(numbers))     # the batch's padding rows
+    return [escape_line(t) for t in self.continue_prompts(params, prompts, decode, numbers)]
+
+  def serving_function(self, decode: DecodeOptions) -> Callable[..., jax.Array]:
+    raise UserError("export --format=stablehlo of an lm model is not supported yet; "
+                    "use python -m transformer_jax.predict")
+
+  # ---------------------------------------------------------------- evaluation
+  def evaluate(self, params: Any, batches: Sequence[EvalBatch], eval_step: EvalStep,
+               decode: DecodeOptions) -> tuple[dict[str, float], Samples]:
+    """Loss, accuracy and perplexity per token, and bits per character: the summed nll in
+    bits over the characters of the text predicted (document layout: EOS's nll counts in
+    too). Samples: the first rows' opening tokens continued, beside what the text says."""
+    totals = teacher_forced_sums(eval_step, params, batches)
+    metrics = loss_metrics(totals)
+    characters = sum(len(r["text"]) for b in batches for r in b.records)
+    metrics["bits_per_character"] = totals.get("nll", 0.0) / math.log(2) / max(characters, 1)
+    return metrics, self._samples(params, batches, decode)
+
+  def _samples(self, params: Any, batches: Sequence[EvalBatch], decode: DecodeOptions,
+               count: int = 3, prompt_tokens: int = 32) -> Samples:
+    rows = [(b.arrays["inputs"][i], r) for b in batches for i, r in enumerate(b.records)]
+    rows = [(row[:min(prompt_tokens, int((row != PAD_ID).sum()))], r) for row, r in rows[:count]]
+    if not rows:
+      return []
+    decode = DecodeOptions(**{**decode.__dict__,
+                              "max_new_tokens": min(decode.max_new_tokens,
+                                                    self.model_config.max_len // 2)})
+    outputs = self.continue_prompts(params, [p for p, _ in rows], decode, range(len(rows)))
+    samples = []
+    for (prompt, record), output in zip(rows, outputs):
+      shown = self.tokenizer.decode(prompt[1:])
+      reference = record["text"][len(shown):len(shown) + len(output)]
+      samples.append((escape_line(shown), escape_line(output), escape_line(reference)))
+    return samples
+
+  def eval_windows(self, records: Sequence[dict], batch_size: int, length: int,
+                   limit: int = 0) -> list[PipelineBatch]:
+    """The "stream" layout's evaluation: the split's stream in consecutive windows of
+    `length`, every token predicted once (the first `limit` windows if > 0)."""
+    stream = self.token_stream(records)
+    count = -(-len(stream) // length)
+    count = min(count, limit) if limit > 0 else count
+    batches = []
+    for start in range(0, count, batch_size):
+      windows = [self.stream_window(stream, i, length)
+                 for i in range(start, min(start + batch_size, count))]
+      arrays = {k: np.stack([w[k] for w in windows]
+                            + [np.zeros(length, np.int32)] * (batch_size - len(windows)))
+                for k in windows[0]}
+      texts = [{"text": self.tokenizer.decode(w["targets"][w["targets"] != PAD_ID])}
+               for w in windows]
+      batches.append(PipelineBatch(arrays, texts))
+    return batches
