@@ -1,0 +1,230 @@
+"""The decoder-only language model: its options (rotary positions, grouped-query attention,
+RMSNorm, gated feed-forward, no biases), causality and packing, sampling through the KV
+cache against recomputation, the task's stream windows and bits per character, and a tiny
+training run continued by predict."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close
+
+from transformer_jax import LanguageModel, TransformerConfig
+from transformer_jax.config import BOS_ID, PAD_ID
+from transformer_jax.data.tokenizer import CharVocab
+from transformer_jax.modules.embedding import rotary
+from transformer_jax.options import DecodeOptions
+from transformer_jax.sampling import compiled_continuation, continuations, sample_keys
+from transformer_jax.tasks.lm import LanguageModelTask, escape_line, text_pieces, unescape_line
+
+VOCAB = 30
+
+
+def lm_config(**overrides) -> TransformerConfig:
+  params = dict(vocab_size=VOCAB, d_model=32, num_heads=4, d_ff=64, num_encoder_layers=0,
+                num_decoder_layers=2, dropout_rate=0.0, max_len=24, norm_position="pre",
+                attention_impl="einsum")
+  return TransformerConfig(**{**params, **overrides})
+
+
+MODERN = dict(positional="rotary", norm_type="rms", gated_ffn=True, activation="silu",
+              num_kv_heads=2, use_bias=False)
+
+
+def _params(cfg: TransformerConfig, seed: int = 0):
+  return LanguageModel(cfg).init(jax.random.key(seed), jnp.ones((1, 4), jnp.int32))["params"]
+
+
+def _tokens(seed: int, batch: int, length: int) -> np.ndarray:
+  return np.random.default_rng(seed).integers(4, VOCAB, (batch, length)).astype(np.int32)
+
+
+def test_rotary_dot_products_depend_on_relative_position_only():
+  rng = np.random.default_rng(0)
+  q, k = (jnp.asarray(rng.normal(size=(1, 1, 2, 8)), jnp.float32) for _ in range(2))
+  def dot(pq: int, pk: int) -> jax.Array:
+    rq = rotary(q, jnp.array([[pq]]), 10000.0)
+    rk = rotary(k, jnp.array([[pk]]), 10000.0)
+    return jnp.sum(rq * rk, -1)
+  assert_close(dot(3, 1), dot(10, 8), atol=1e-5)
+  assert_close(dot(0, 0), jnp.sum(q * k, -1), atol=1e-6)     # position 0 rotates nothing
+  assert not np.allclose(dot(3, 1), dot(3, 2), atol=1e-3)
+
+
+@pytest.mark.parametrize("options", [{}, MODERN], ids=["gpt", "modern"])
+def test_language_model_is_causal(options):
+  cfg = lm_config(**options)
+  params, model = _params(cfg), LanguageModel(cfg)
+  tokens = _tokens(1, 2, 10)
+  changed = tokens.copy()
+  changed[:, 6:] = _tokens(2, 2, 4)
+  a, b = model.apply({"params": params}, tokens), model.apply({"params": params}, changed)
+  assert_close(a[:, :6], b[:, :6], atol=1e-5)
+  assert not np.allclose(a[:, 6:], b[:, 6:], atol=1e-3)
+
+
+@pytest.mark.parametrize("options", [{}, MODERN], ids=["gpt", "modern"])
+def test_packed_documents_equal_each_alone(options):
+  cfg = lm_config(**options)
+  params, model = _params(cfg), LanguageModel(cfg)
+  first, second = _tokens(3, 1, 5), _tokens(4, 1, 7)
+  row = np.concatenate([first, second, np.zeros((1, 2), np.int32)], 1)
+  positions = np.array([list(range(5)) + list(range(7)) + [0, 0]], np.int32)
+  segments = np.array([[1] * 5 + [2] * 7 + [0, 0]], np.int32)
+  packed = model.apply({"params": params}, row, positions=positions, segment_ids=segments)
+  assert_close(packed[:, :5], model.apply({"params": params}, first), atol=1e-5)
+  assert_close(packed[:, 5:12], model.apply({"params": params}, second), atol=1e-5)
+
+
+def test_grouped_query_attention_is_multi_head_with_shared_keys():
+  """GQA with 2 key/value heads for 4 query heads equals MHA whose key and value heads are
+  the GQA ones, each repeated for its group of query heads; with as many KV heads as heads
+  it is MHA itself."""
+  gqa = lm_config(num_kv_heads=2)
+  params = _params(gqa)
+  mha_params = jax.tree_util.tree_map(lambda x: x, params)
+  for layer in ("layer_0", "layer_1"):
+    attention = mha_params["decoder"][layer]["self_attention"]
+    for name in ("key", "value"):
+      attention[name] = jax.tree_util.tree_map(
+          lambda x: jnp.repeat(x, 2, axis=x.ndim - 2),       # the heads axis of (D,) K, H
+          attention[name])
+  tokens = _tokens(5, 2, 9)
+  assert_close(LanguageModel(gqa).apply({"params": params}, tokens),
+               LanguageModel(lm_config()).apply({"params": mha_params}, tokens), atol=1e-5)
+  full = lm_config(num_kv_heads=4)
+  assert_close(LanguageModel(full).apply({"params": _params(full)}, tokens),
+               LanguageModel(lm_config()).apply({"params": _params(lm_config())}, tokens),
+               atol=1e-6)
+
+
+def test_options_shape_the_parameters():
+  flat = jax.tree_util.tree_flatten_with_path(_params(lm_config(**MODERN)))[0]
+  names = ["/".join(str(getattr(k, "key", k)) for k in path) for path, _ in flat]
+  assert not [n for n in names if n.endswith("bias")]                          # use_bias
+  assert any("wi_up" in n for n in names)                                      # gated_ffn
+  assert not any("position_embedding" in n for n in names)                     # rotary
+  key = [x for path, x in flat if "layer_0/self_attention/key" in
+         "/".join(str(getattr(k, "key", k)) for k in path)][0]
+  assert key.shape == (32, 2, 8)                                               # 2 KV heads
+  with pytest.raises(Exception, match="num_kv_heads"):
+    lm_config(num_kv_heads=3)
+
+
+@pytest.mark.parametrize("options", [{}, dict(MODERN, scan_layers=True)], ids=["gpt", "scan"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cached_sampling_equals_recomputing_the_prefix(options, temperature):
+  cfg = lm_config(**options)
+  params = _params(cfg)
+  rows = np.zeros((3, cfg.max_len), np.int32)
+  lengths = np.array([1, 4, 7], np.int32)
+  for b, length in enumerate(lengths):
+    rows[b, 0] = BOS_ID
+    rows[b, 1:length] = _tokens(6 + b, 1, length - 1)[0]
+  args = (params, rows, lengths, sample_keys(0, [1, 2, 3]), jnp.float32(temperature),
+          jnp.int32(5), jnp.float32(0.9))
+  cached = compiled_continuation(cfg, 12)(*args)
+  recomputed = compiled_continuation(cfg, 12, use_cache=False)(*args)
+  np.testing.assert_array_equal(np.asarray(cached), np.asarray(recomputed))
+  assert all(0 < len(c) <= 12 for c in continuations(cached, lengths))   # EOS may end one
+  np.testing.assert_array_equal(np.asarray(cached)[:, :7] * (np.arange(7) < lengths[:, None]),
+                                rows[:, :7])                       # prompts left as they were
+
+
+def test_same_seed_same_text_and_rows_independent():
+  cfg = lm_config()
+  task = LanguageModelTask(cfg, tokenizer=CharVocab(list("abcdefghijklmnopqrstuvwxyz")))
+  params = _params(cfg)
+  decode = DecodeOptions(max_new_tokens=10, temperature=1.0, seed=7)
+  prompts = [np.array([BOS_ID, 5, 6]), np.array([BOS_ID])]
+  once = task.continue_prompts(params, prompts, decode, [1, 2])
+  assert once == task.continue_prompts(params, prompts, decode, [1, 2])
+  assert once[1:] == task.continue_prompts(params, prompts[1:], decode, [2])    # row alone
+  other = task.continue_prompts(params, prompts, DecodeOptions(max_new_tokens=10,
+                                                                temperature=1.0, seed=8), [1, 2])
+  assert other != once
+
+
+def test_long_prompt_keeps_its_last_tokens():
+  cfg = lm_config()
+  task = LanguageModelTask(cfg, tokenizer=CharVocab(list("abcdefghijklmnopqrstuvwxyz")))
+  params = _params(cfg)
+  decode = DecodeOptions(max_new_tokens=6, temperature=0.0)
+  tail = list(_tokens(9, 1, cfg.max_len - 6 - 1)[0])
+  long_prompt = np.array([BOS_ID] + list(_tokens(8, 1, 30)[0]) + tail)
+  assert (task.continue_prompts(params, [long_prompt], decode, [1])
+          == task.continue_prompts(params, [np.array([BOS_ID] + tail)], decode, [1]))
+
+
+def test_stream_windows_predict_every_token_once_and_bits_per_character():
+  text = "To be, or not to be:\nthat is the question.\n\n\nWhether 'tis nobler\n"
+  records = text_pieces(text)
+  assert "".join(r["text"] for r in records) == text and len(records) == 2
+  vocab = CharVocab.build([text])
+  assert vocab.decode(vocab.encode(text)) == text
+  task = LanguageModelTask(lm_config(vocab_size=vocab.vocab_size), tokenizer=vocab)
+  batches = task.eval_windows(records, batch_size=2, length=16)
+  targets = np.concatenate([b.arrays["targets"].reshape(-1) for b in batches])
+  assert vocab.decode(targets[targets != PAD_ID]) == text
+  inputs = batches[0].arrays["inputs"]
+  assert (inputs[:, 0] == BOS_ID).all()
+  np.testing.assert_array_equal(inputs[0, 1:], batches[0].arrays["targets"][0, :-1])
+  params = _params(task.model_config)
+
+  def eval_step(params, arrays):
+    return task.loss_sums(params, arrays, None, train=False)
+  metrics, _ = task.evaluate(params, batches, eval_step,
+                             DecodeOptions(max_new_tokens=4, temperature=0.0))
+  assert math.isclose(metrics["bits_per_character"], metrics["loss"] / math.log(2),
+                      rel_tol=1e-5)
+
+
+def test_prompt_lines_escape_newlines_and_backslashes():
+  for text in ["a\nb", "back\\slash\\n", "", "\\\n"]:
+    assert unescape_line(escape_line(text)) == text
+    assert "\n" not in escape_line(text)
+
+
+@pytest.fixture(scope="module")
+def trained_lm(tmp_path_factory):
+  """A tiny character LM trained a few steps on a made-up text (stream layout)."""
+  from transformer_jax.training import loop
+  from configs import shakespeare_char
+  data = tmp_path_factory.mktemp("lm_data")
+  words = "the king and the queen spoke of the crown and the sword\n".split(" ")
+  rng = np.random.default_rng(0)
+  for split, count in (("train", 3000), ("val", 300)):
+    text = " ".join(rng.choice(words, count))
+    with gzip.open(data / f"{split}.txt.gz", "wt") as f:
+      f.write(text)
+  config = shakespeare_char.get_config()
+  config.data.dir = str(data)
+  config.num_train_steps = 4
+  config.eval_every_steps = 4
+  config.checkpoint_every_steps = 4
+  config.batch_size = 8
+  config.data.max_length = config.data.eval_max_length = 16
+  config.model.update(dict(d_model=32, num_heads=2, d_ff=64, num_decoder_layers=1, max_len=16,
+                           **MODERN))
+  workdir = str(tmp_path_factory.mktemp("lm_run"))
+  loop.train_and_evaluate(config, workdir)
+  return workdir
+
+
+def test_trained_lm_predicts_one_line_per_prompt(trained_lm):
+  from transformer_jax import predict
+  out = io.StringIO()
+  lines = b"the king\\n\n\nqueen\n"
+  count = predict.predict(trained_lm, io.BytesIO(lines), out, None, None, 8,
+                          max_new_tokens=5, temperature=1.0, seed=3)
+  assert count == 3 and len(out.getvalue().splitlines()) == 3
+  again = io.StringIO()
+  predict.predict(trained_lm, io.BytesIO(lines), again, None, None, 1, max_new_tokens=5,
+                  temperature=1.0, seed=3)
+  assert again.getvalue() == out.getvalue()                  # batch-independent, seeded
