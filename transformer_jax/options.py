@@ -12,7 +12,7 @@ vocabulary sizes come from the data.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Mapping, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 
 from transformer_jax.errors import UserError
 from transformer_jax.renamed_fields import upgrade
@@ -41,6 +41,12 @@ O = TypeVar("O", bound="_Options")
 def _integer(group: str, name: str, value: Any, low: int) -> None:
   if not isinstance(value, int) or isinstance(value, bool) or value < low:
     need = "a positive integer" if low == 1 else f"an integer >= {low}"
+    raise UserError(f"{group}{name}={value!r}: must be {need}")
+
+
+def _number(group: str, name: str, value: Any, valid: Callable[[float], bool],
+            need: str) -> None:
+  if not isinstance(value, (int, float)) or isinstance(value, bool) or not valid(value):
     raise UserError(f"{group}{name}={value!r}: must be {need}")
 
 
@@ -82,9 +88,8 @@ class DecodeOptions(_Options):
   alpha: float = 0.6
   max_extra_length: int = 50
   bio_constrained: bool = True
-  # A language model's sampling (sampling.py): `max_new_tokens` per prompt, at
-  # `temperature` (0: greedy), from the `top_k` most likely tokens (0: all) and the
-  # smallest set holding `top_p` of the probability; `seed` fixes the draws.
+  # A language model's sampling (sampling.py): `max_new_tokens` at `temperature` (0: greedy)
+  # from the `top_k` likeliest tokens (0: all) within the `top_p` nucleus; `seed` fixes draws.
   max_new_tokens: int = 200
   temperature: float = 0.8
   top_k: int = 0
@@ -92,25 +97,18 @@ class DecodeOptions(_Options):
   seed: int = 0
 
   def __post_init__(self) -> None:
-    _integer("decode.", "beam_size", self.beam_size, 1)
-    _integer("decode.", "max_extra_length", self.max_extra_length, 0)
-    if not isinstance(self.alpha, (int, float)) or self.alpha < 0:
-      raise UserError(f"decode.alpha={self.alpha!r}: must be a number >= 0")
-    _integer("decode.", "max_new_tokens", self.max_new_tokens, 1)
-    _integer("decode.", "top_k", self.top_k, 0)
-    _integer("decode.", "seed", self.seed, 0)
-    if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-      raise UserError(f"decode.temperature={self.temperature!r}: must be a number >= 0 "
-                      "(0: greedy)")
-    if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-      raise UserError(f"decode.top_p={self.top_p!r}: must be in (0, 1] (1: no cut)")
+    for name, low in (("beam_size", 1), ("max_extra_length", 0), ("max_new_tokens", 1),
+                      ("top_k", 0), ("seed", 0)):
+      _integer("decode.", name, getattr(self, name), low)
+    _number("decode.", "alpha", self.alpha, lambda v: v >= 0, "a number >= 0")
+    _number("decode.", "temperature", self.temperature, lambda v: v >= 0, ">= 0 (0: greedy)")
+    _number("decode.", "top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1] (1: no cut)")
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalOptions(_Options):
-  """Periodic evaluation: the first `examples` examples of the evaluation split (0: all),
-  scored teacher-forced and decoded, in batches of `batch_size` rows; `num_samples`
-  (input, output, reference) triples are printed."""
+  """Periodic evaluation: the first `examples` of the evaluation split (0: all), scored and
+  decoded in batches of `batch_size` rows; `num_samples` (input, output, reference) printed."""
   batch_size: int = 64
   examples: int = 0
   num_samples: int = 3
@@ -122,9 +120,8 @@ class EvalOptions(_Options):
 
 @dataclasses.dataclass(frozen=True)
 class DataOptions(_Options):
-  """Where the examples come from and how they are tokenized and batched. Synthetic tasks
-  read only source, synthetic_task, min_length and max_length; local files and TFDS the
-  rest (configs/default.py `text_data` documents each field)."""
+  """Where the examples come from and how they are tokenized and batched (synthetic tasks read
+  the first four fields; configs/default.py `text_data` documents each field)."""
   source: str = "synthetic"                 # synthetic | local | tfds
   synthetic_task: str = "reverse"           # synthetic: reverse | sort | add
   min_length: int = 2                       # synthetic: digits per example
@@ -194,11 +191,10 @@ class DataOptions(_Options):
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerOptions(_Options):
-  """Adam or AdamW (paper: Adam(0.9, 0.98, 1e-9)) on a learning-rate schedule whose peak is
-  `learning_rate` (rsqrt with learning_rate <= 0: the paper's own peak), gradients clipped to
-  global norm `clip_grad_norm` (0: off). `pretrained_rate_scale`: fine-tuning from another
-  task's model (init_from a pretrained encoder), the carried modules learn at this fraction
-  of the rate and the fresh head at the full rate (1: one rate for all)."""
+  """Adam or AdamW (paper: Adam(0.9, 0.98, 1e-9)) on a schedule peaking at `learning_rate`
+  (rsqrt with learning_rate <= 0: the paper's peak), gradients clipped to global norm
+  `clip_grad_norm` (0: off). `pretrained_rate_scale`: init_from a pretrained encoder, the
+  carried modules learn at this fraction of the fresh head's rate."""
   name: str = "adam"
   b1: float = 0.9
   b2: float = 0.98
@@ -221,9 +217,8 @@ class OptimizerOptions(_Options):
     _integer("optimizer.", "warmup_steps", self.warmup_steps, 0)
     if self.schedule == "rsqrt" and self.warmup_steps < 1:
       raise UserError("optimizer.warmup_steps must be >= 1 for the rsqrt schedule")
-    if not 0 <= self.end_learning_rate <= max(self.learning_rate, 0):
-      raise UserError(f"optimizer.end_learning_rate={self.end_learning_rate}: must be in "
-                      f"[0, learning_rate={self.learning_rate}]")
+    _number("optimizer.", "end_learning_rate", self.end_learning_rate,
+            lambda v: 0 <= v <= max(self.learning_rate, 0), f"in [0, {self.learning_rate}]")
     if self.schedule != "rsqrt" and not self.learning_rate > 0:
       raise UserError(f"optimizer.learning_rate={self.learning_rate}: must be > 0 for "
                       f"schedule {self.schedule!r}")
@@ -231,13 +226,10 @@ class OptimizerOptions(_Options):
 
 @dataclasses.dataclass(frozen=True)
 class MeshOptions(_Options):
-  """Devices per mesh axis (sharding.py); -1 takes the devices the others leave.
-  `shard_optimizer_state` splits the optimizer state over the data axis too, while the
-  parameters stay replicated over it (ZeRO-1; sharding.split_over_data).
-  `reduce_gradients_in`: "auto" lets XLA's partitioner sum the replicas' gradients in the
-  dtype of the backward matmuls (bfloat16 for a bfloat16 model); "bfloat16" or "float32"
-  sums each replica's gradient explicitly in that dtype (the MLPerf TPU Transformer's
-  bfloat16 reduction; replicated parameters only: fsdp = tensor = 1)."""
+  """Devices per mesh axis (sharding.py; -1: those the others leave). `shard_optimizer_state`:
+  ZeRO-1 (sharding.split_over_data). `reduce_gradients_in`: "auto" (XLA sums the replicas'
+  gradients in the backward matmuls' dtype) or a dtype each replica's gradient is summed in
+  explicitly (the MLPerf TPU Transformer's bfloat16 reduction; fsdp = tensor = 1 only)."""
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
@@ -267,17 +259,12 @@ class DistributedOptions(_Options):
 
 @dataclasses.dataclass(frozen=True)
 class PretrainOptions(_Options):
-  """Self-pretraining (training/recipe.py): with `enabled`, `train.py` first trains a masked
-  language model (task "mlm") on the text of the run's training split (plus the lines of the
-  file `extra_text`, in or from data.dir) in W/pretrain, with its own vocabulary
-  (`vocab_size`, 0: data.vocab_size), steps, batch (0: the run's) and peak learning rate (0:
-  the run's), then fine-tunes from it in W. `mask_rate`: the share of tokens the model
-  predicts. `dropout_rate` / `attention_dropout_rate`: the stage's own (BERT's 0.1 by
-  default; the fine-tuning keeps the run's). `max_length`: tokens per packed row, also in
-  evaluation (0: the run's). `too_long`: what a longer training text becomes ("": the run's
-  data.too_long; "split" keeps all of a long review, in pieces). `objective`: the stage's
-  task, "mlm" or "rtd" (replaced-token detection, ELECTRA's; its discriminator loss weighs
-  `discriminator_weight` times the generator's)."""
+  """Self-pretraining (training/recipe.py; docs/pretraining.md): with `enabled`, `train.py`
+  first trains the `objective`'s task ("mlm", or ELECTRA's replaced-token detection "rtd",
+  its discriminator loss weighing `discriminator_weight` times the generator's) on the run's
+  training text (plus the lines of `extra_text`) in W/pretrain, with its own vocabulary,
+  steps, batch, rate, dropout, row length and too_long (0 or "": the run's), then
+  fine-tunes from it in W. `mask_rate`: the share of tokens the model predicts."""
   enabled: bool = False
   objective: str = "mlm"
   discriminator_weight: float = 50.0
@@ -296,21 +283,16 @@ class PretrainOptions(_Options):
   def __post_init__(self) -> None:
     check_choice("pretrain.", "too_long", self.too_long, ("", *TOO_LONG_POLICIES))
     check_choice("pretrain.", "objective", self.objective, PRETRAIN_OBJECTIVES)
-    weight = self.discriminator_weight
-    if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not weight > 0:
-      raise UserError(f"pretrain.discriminator_weight={weight!r}: must be a number > 0")
+    _number("pretrain.", "discriminator_weight", self.discriminator_weight, lambda v: v > 0,
+            "a number > 0")
     for name, low in (("num_train_steps", 1), ("batch_size", 0), ("warmup_steps", 0),
                       ("vocab_size", 0), ("max_length", 0)):
       _integer("pretrain.", name, getattr(self, name), low)
-    if not isinstance(self.learning_rate, (int, float)) or self.learning_rate < 0:
-      raise UserError(f"pretrain.learning_rate={self.learning_rate!r}: must be >= 0 (0: the "
-                      "run's optimizer.learning_rate)")
-    if not isinstance(self.mask_rate, (int, float)) or not 0 < self.mask_rate < 1:
-      raise UserError(f"pretrain.mask_rate={self.mask_rate!r}: must be in (0, 1)")
+    _number("pretrain.", "learning_rate", self.learning_rate, lambda v: v >= 0,
+            ">= 0 (0: the run's optimizer.learning_rate)")
+    _number("pretrain.", "mask_rate", self.mask_rate, lambda v: 0 < v < 1, "in (0, 1)")
     for name in ("dropout_rate", "attention_dropout_rate"):
-      rate = getattr(self, name)
-      if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate < 1:
-        raise UserError(f"pretrain.{name}={rate!r}: must be in [0, 1)")
+      _number("pretrain.", name, getattr(self, name), lambda v: 0 <= v < 1, "in [0, 1)")
 
 
 _POSITIVE_FIELDS = ("num_train_steps", "log_every_steps", "eval_every_steps",
@@ -358,8 +340,7 @@ class TrainOptions(_Options):
       raise UserError(f"config.average_checkpoints={average}: only {saves} checkpoints are "
                       f"saved in {self.num_train_steps} steps; lower "
                       f"config.checkpoint_every_steps={self.checkpoint_every_steps}")
-    if not isinstance(self.label_smoothing, (int, float)) or not 0 <= self.label_smoothing < 1:
-      raise UserError(f"label_smoothing={self.label_smoothing!r}: must be in [0, 1)")
+    _number("", "label_smoothing", self.label_smoothing, lambda v: 0 <= v < 1, "in [0, 1)")
 
 
 @dataclasses.dataclass(frozen=True)
