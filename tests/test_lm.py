@@ -18,10 +18,12 @@ from conftest import assert_close
 from transformer_jax import LanguageModel, TransformerConfig
 from transformer_jax.config import BOS_ID, PAD_ID
 from transformer_jax.data.tokenizer import CharVocab
+from transformer_jax.inputs import InputError
 from transformer_jax.modules.embedding import rotary
 from transformer_jax.options import DecodeOptions
-from transformer_jax.sampling import compiled_continuation, continuations, sample_keys
-from transformer_jax.tasks.lm import LanguageModelTask, escape_line, text_pieces, unescape_line
+from transformer_jax.sampling import compiled_generate, continuations
+from transformer_jax.serving.line_policy import escape_line, unescape_line
+from transformer_jax.tasks.lm import LanguageModelTask, text_pieces
 
 VOCAB = 30
 
@@ -122,44 +124,45 @@ def test_options_shape_the_parameters():
 def test_cached_sampling_equals_recomputing_the_prefix(options, temperature):
   cfg = lm_config(**options)
   params = _params(cfg)
-  rows = np.zeros((3, cfg.max_len), np.int32)
-  lengths = np.array([1, 4, 7], np.int32)
-  for b, length in enumerate(lengths):
-    rows[b, 0] = BOS_ID
-    rows[b, 1:length] = _tokens(6 + b, 1, length - 1)[0]
-  args = (params, rows, lengths, sample_keys(0, [1, 2, 3]), jnp.float32(temperature),
-          jnp.int32(5), jnp.float32(0.9))
-  cached = compiled_continuation(cfg, 12)(*args)
-  recomputed = compiled_continuation(cfg, 12, use_cache=False)(*args)
-  np.testing.assert_array_equal(np.asarray(cached), np.asarray(recomputed))
-  assert all(0 < len(c) <= 12 for c in continuations(cached, lengths))   # EOS may end one
-  np.testing.assert_array_equal(np.asarray(cached)[:, :7] * (np.arange(7) < lengths[:, None]),
-                                rows[:, :7])                       # prompts left as they were
+  prompts = np.zeros((3, 6), np.int32)
+  for b, length in enumerate([0, 3, 6]):
+    prompts[b, :length] = _tokens(6 + b, 1, length)[0]
+  args = (params, prompts, temperature, 5, 0.9, 0)
+  cached = np.asarray(compiled_generate(cfg, 12)(*args))
+  recomputed = np.asarray(compiled_generate(cfg, 12, use_cache=False)(*args))
+  np.testing.assert_array_equal(cached, recomputed)
+  assert cached.shape == (3, 12)
+  assert all(0 < len(c) <= 12 for c in continuations(cached))     # EOS may end one early
+
+
+def _task(cfg: TransformerConfig) -> LanguageModelTask:
+  return LanguageModelTask(cfg, tokenizer=CharVocab(list("abcdefghijklmnopqrstuvwxyz")))
 
 
 def test_same_seed_same_text_and_rows_independent():
   cfg = lm_config()
-  task = LanguageModelTask(cfg, tokenizer=CharVocab(list("abcdefghijklmnopqrstuvwxyz")))
-  params = _params(cfg)
+  task, params = _task(cfg), _params(cfg)
   decode = DecodeOptions(max_new_tokens=10, temperature=1.0, seed=7)
-  prompts = [np.array([BOS_ID, 5, 6]), np.array([BOS_ID])]
-  once = task.continue_prompts(params, prompts, decode, [1, 2])
-  assert once == task.continue_prompts(params, prompts, decode, [1, 2])
-  assert once[1:] == task.continue_prompts(params, prompts[1:], decode, [2])    # row alone
+  prompts = [np.array([5, 6]), np.array([], np.int32), np.array([7])]
+  once = task.continue_prompts(params, prompts, decode)
+  assert once == task.continue_prompts(params, prompts, decode)
+  assert once[1:] == task.continue_prompts(params, prompts[1:], decode)   # rows alone
+  assert once[::-1] == task.continue_prompts(params, prompts[::-1], decode)
   other = task.continue_prompts(params, prompts, DecodeOptions(max_new_tokens=10,
-                                                                temperature=1.0, seed=8), [1, 2])
+                                                                temperature=1.0, seed=8))
   assert other != once
 
 
 def test_long_prompt_keeps_its_last_tokens():
   cfg = lm_config()
-  task = LanguageModelTask(cfg, tokenizer=CharVocab(list("abcdefghijklmnopqrstuvwxyz")))
-  params = _params(cfg)
+  task, params = _task(cfg), _params(cfg)
   decode = DecodeOptions(max_new_tokens=6, temperature=0.0)
-  tail = list(_tokens(9, 1, cfg.max_len - 6 - 1)[0])
-  long_prompt = np.array([BOS_ID] + list(_tokens(8, 1, 30)[0]) + tail)
-  assert (task.continue_prompts(params, [long_prompt], decode, [1])
-          == task.continue_prompts(params, [np.array([BOS_ID] + tail)], decode, [1]))
+  tail = _tokens(9, 1, cfg.max_len - 6 - 1)[0]
+  long_prompt = np.concatenate([_tokens(8, 1, 30)[0], tail])
+  assert (task.continue_prompts(params, [long_prompt], decode)
+          == task.continue_prompts(params, [tail], decode))
+  with pytest.raises(InputError, match="max_new_tokens"):
+    task.continue_prompts(params, [tail], DecodeOptions(max_new_tokens=cfg.max_len))
 
 
 def test_stream_windows_predict_every_token_once_and_bits_per_character():
@@ -194,8 +197,8 @@ def test_prompt_lines_escape_newlines_and_backslashes():
 @pytest.fixture(scope="module")
 def trained_lm(tmp_path_factory):
   """A tiny character LM trained a few steps on a made-up text (stream layout)."""
-  from transformer_jax.training import loop
   from configs import shakespeare_char
+  from transformer_jax.training import loop
   data = tmp_path_factory.mktemp("lm_data")
   words = "the king and the queen spoke of the crown and the sword\n".split(" ")
   rng = np.random.default_rng(0)
@@ -210,6 +213,7 @@ def trained_lm(tmp_path_factory):
   config.checkpoint_every_steps = 4
   config.batch_size = 8
   config.data.max_length = config.data.eval_max_length = 16
+  config.decode.max_new_tokens = 6
   config.model.update(dict(d_model=32, num_heads=2, d_ff=64, num_decoder_layers=1, max_len=16,
                            **MODERN))
   workdir = str(tmp_path_factory.mktemp("lm_run"))
@@ -228,3 +232,22 @@ def test_trained_lm_predicts_one_line_per_prompt(trained_lm):
   predict.predict(trained_lm, io.BytesIO(lines), again, None, None, 1, max_new_tokens=5,
                   temperature=1.0, seed=3)
   assert again.getvalue() == out.getvalue()                  # batch-independent, seeded
+
+
+def test_served_artifact_answers_as_predict(trained_lm, tmp_path):
+  """The StableHLO artifact continues prompts as predict does (same seed, same text), an
+  empty prompt from BOS, with the same escapes; a character outside the vocabulary is
+  refused by both."""
+  from transformer_jax import predict
+  from transformer_jax.export import export_stablehlo
+  from transformer_jax.serving.lines import Served
+  artifact = export_stablehlo(trained_lm, None, str(tmp_path / "lm"), None, None)
+  served = Served.load(artifact)
+  prompts = ["the king\\n", "", "queen and the", "and\\nthe"]
+  out = io.StringIO()
+  predict.predict(trained_lm, io.BytesIO("".join(p + "\n" for p in prompts).encode()), out,
+                  None, None, 8)
+  assert served.predict(prompts) == out.getvalue().splitlines()
+  assert all(served.predict(prompts))
+  with pytest.raises(InputError, match="not in the model's vocabulary"):
+    served.predict(["the Z"])

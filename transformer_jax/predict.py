@@ -143,11 +143,8 @@ class Predictor:
     if self.policy.too_long == "window":
       return self._stitched(batches, lengths, outputs, decode)
     for batch in batches:
-      extra = {}
-      if getattr(self.task, "draws", False):   # a sampled row's key: its line's number
-        extra["line_numbers"] = [first_line + r["line"] for r in batch.records]
       for record, output in zip(batch.records, self.task.predict(self.params, batch.arrays,
-                                                                 decode, **extra)):
+                                                                 decode)):
         outputs[record["line"]] = output
     return outputs
 

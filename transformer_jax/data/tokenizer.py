@@ -215,6 +215,15 @@ class CharVocab:
       return cls(list(json.load(f)["chars"]))
 
 
+def check_known_characters(tokenizer: Any, text: str) -> None:
+  """Refuses a prompt with characters a character vocabulary lacks: a language model never
+  saw their unknown id in training, so it would continue noise (other tokenizers pass)."""
+  unknown = tokenizer.unknown(text) if isinstance(tokenizer, CharVocab) else []
+  if unknown:
+    raise UserError(f"characters {''.join(unknown)!r} are not in the model's vocabulary of "
+                    f"{tokenizer.vocab_size} ids; leave them out of the prompt")
+
+
 class MarianSentencePiece:
   """One side of MarianTokenizer (Hugging Face, OPUS-MT): a SentencePiece model cuts the
   text into pieces and a vocabulary shared by source and target maps pieces to ids (a piece

@@ -14,7 +14,11 @@ served model answers as predict does whatever the line holds.
             the ends are stripped. A classifier trained with data.br_tags="space" reads
             `<br />` tags as spaces, as its training did. Other markup stays text, as it
             was in the training data.
-  blank     a line with no input tokens gets an empty output, without a model call.
+  escapes   (a language model's prompts and continuations) `\\n` in a line stands for a
+            newline and `\\\\` for a backslash, read before cleaning; outputs are written
+            the same way, one line each.
+  blank     a line with no input tokens gets an empty output, without a model call (a
+            language model continues an empty prompt from BOS).
   too long  `LinePolicy.too_long`, what the model's training did with longer inputs: a
             classifier keeps the tokens data.truncate names ("head", "tail", "head_tail") at
             the model's max_len; a tagger runs the line as overlapping windows, takes each
@@ -50,6 +54,7 @@ _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 # (Windows-1252 dashes read as Latin-1), and its tokenizer learns them as pieces.
 _SPACES = re.compile("[\x00-\x1f\x7f\u2028\u2029]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_ESCAPED = re.compile(r"\\(\\|n)")
 
 
 def kept_tokens(x: np.ndarray, length: int, keep: str) -> np.ndarray:
@@ -68,6 +73,16 @@ def kept_words(keep: str, length: int) -> str:
   return " and ".join(parts) + " tokens"
 
 
+def escape_line(text: str) -> str:
+  """A text as one output line: a backslash as `\\\\`, a newline as `\\n`."""
+  return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def unescape_line(line: str) -> str:
+  """`escape_line` undone: `\\n` a newline, `\\\\` a backslash (other text as it is)."""
+  return _ESCAPED.sub(lambda m: "\n" if m.group(1) == "n" else "\\", line)
+
+
 def clean_text(text: str) -> str:
   """The line as every task reads it (see the module doc, "cleaning")."""
   text = _SPACES.sub(" ", text.replace("\ufeff", ""))
@@ -81,6 +96,7 @@ class LinePolicy:
   truncate: str = "head"     # the tokens a truncated line keeps (data.truncate)
   br_tags: str = "keep"      # "space": `<br />` tags read as spaces (data.br_tags)
   refuse: bool = False       # --too_long=refuse: longer lines refused all the same
+  escapes: bool = False      # `\\n` and `\\\\` in a line: a newline and a backslash (lm)
 
   def __post_init__(self) -> None:
     for name, value, choices in (("too_long", self.too_long, ACTIONS),
@@ -89,9 +105,10 @@ class LinePolicy:
       if value not in choices:
         raise UserError(f"line policy {name}={value!r}: must be one of {choices}")
 
-  def manifest(self) -> dict[str, str]:
+  def manifest(self) -> dict[str, Any]:
     """The policy as a served artifact's manifest keeps it (the model's; no flag)."""
-    return {"too_long": self.too_long, "truncate": self.truncate, "br_tags": self.br_tags}
+    return {"too_long": self.too_long, "truncate": self.truncate, "br_tags": self.br_tags,
+            "escapes": self.escapes}
 
   @classmethod
   def from_manifest(cls, value: Any) -> "LinePolicy":
@@ -101,7 +118,8 @@ class LinePolicy:
       return cls()
     if not isinstance(value, dict):
       raise UserError(f'"lines" must be an object, got {value!r}')
-    return cls(**{k: v for k, v in value.items() if k in ("too_long", "truncate", "br_tags")})
+    return cls(**{k: v for k, v in value.items()
+                  if k in ("too_long", "truncate", "br_tags", "escapes")})
 
   def choose(self, choice: str | None, task: str) -> "LinePolicy":
     """The policy under the flag --too_long=`choice` (None: as the training did)."""
@@ -117,6 +135,8 @@ class LinePolicy:
 
   def clean(self, line: str) -> str:
     """The text the model reads for `line` (see the module doc, "cleaning")."""
+    if self.escapes:   # a newline stays one: the text is the model's, whitespace and all
+      return _SURROGATE.sub("\ufffd", unescape_line(line.replace("\ufeff", "")))
     text = clean_text(line)
     return breaks_to_spaces(text) if self.br_tags == "space" else text
 

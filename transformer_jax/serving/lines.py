@@ -25,12 +25,23 @@ import numpy as np
 
 from transformer_jax import bio
 from transformer_jax.config import PAD_ID
-from transformer_jax.data.tokenizer import TARGET_VOCAB_FILE, VOCAB_FILE, load_tokenizer
+from transformer_jax.data.tokenizer import (
+  TARGET_VOCAB_FILE,
+  VOCAB_FILE,
+  check_known_characters,
+  load_tokenizer,
+)
 from transformer_jax.data.vocab import strip_special
 from transformer_jax.errors import UserError
 from transformer_jax.inputs import InputError, bucket_for, bucket_lengths, character_ids
 from transformer_jax.serving.artifact import ArtifactError
-from transformer_jax.serving.line_policy import LinePolicy, kept_tokens, stitch, window_starts
+from transformer_jax.serving.line_policy import (
+  LinePolicy,
+  escape_line,
+  kept_tokens,
+  stitch,
+  window_starts,
+)
 
 DEFAULT_MAX_ROWS = 64
 
@@ -54,6 +65,11 @@ def _token_ids(served: "Served", out: Sequence[np.ndarray], lengths: Sequence[in
   return [served.target_tokenizer.decode(strip_special(row)) for row in out]
 
 
+def _continuation(served: "Served", out: Sequence[np.ndarray],
+                  lengths: Sequence[int]) -> list[str]:
+  return [escape_line(served.tokenizer.decode(strip_special(row))) for row in out]
+
+
 def _class_scores(served: "Served", out: Sequence[np.ndarray],
                   lengths: Sequence[int]) -> list[str]:
   assert served.labels   # checked at load
@@ -73,7 +89,8 @@ def _tag_scores(served: "Served", out: Sequence[np.ndarray],
 
 # Output kind (Task.serving_output) -> rows of the model's output to text lines.
 OUTPUTS: dict[str, Callable[["Served", Sequence[np.ndarray], Sequence[int]], list[str]]] = {
-    "token_ids": _token_ids, "class_scores": _class_scores, "tag_scores": _tag_scores}
+    "token_ids": _token_ids, "class_scores": _class_scores, "tag_scores": _tag_scores,
+    "continuation": _continuation}
 
 
 class Served:
@@ -91,7 +108,7 @@ class Served:
     self.decode = manifest["decode"]
     self.buckets = bucket_lengths(self.max_len)
     self.labels: list[str] | None = manifest.get("labels")
-    if manifest["output"] != "token_ids" and not self.labels:
+    if manifest["output"] not in ("token_ids", "continuation") and not self.labels:
       raise ArtifactError(f"{directory}: a {manifest['output']} artifact lists no labels")
     self.word_bytes = manifest.get("word_bytes")
     self.constants = manifest.get("constants", {})
@@ -104,6 +121,8 @@ class Served:
     except UserError as e:
       raise ArtifactError(f"{directory}: manifest \"lines\": {e}; export the model again") from None
     self._outputs = OUTPUTS[manifest["output"]]
+    # A language model's lines are prompts: an empty one is continued from BOS too.
+    self.prompts = manifest["output"] == "continuation"
 
   @classmethod
   def load(cls, directory: str, max_rows: int = DEFAULT_MAX_ROWS) -> "Served":
@@ -125,8 +144,10 @@ class Served:
         raise InputError(f"input {index}: expected a string, got {type(line).__name__}")
       text = self.policy.clean(line)
       try:
+        if self.prompts:
+          check_known_characters(self.tokenizer, text)
         ids = np.asarray(self.tokenizer.encode(text), np.int32)
-      except ValueError as e:    # e.g. a symbol outside a symbol vocabulary
+      except (ValueError, UserError) as e:    # e.g. a symbol outside a symbol vocabulary
         raise InputError(f"input {index}: {e}") from None
       # Word-level tokenizers split on whitespace, as the tasks' featurizers do.
       chars = character_ids(text.split(), self.word_bytes) if self.word_bytes else None
@@ -172,7 +193,8 @@ class Served:
     rows: list[EncodedLine] = []                 # the model's rows
     spans: list[tuple[int, list[int]]] = []      # per line: its first row, its windows
     for line in lines:
-      starts = window_starts(len(line.ids), self.max_len) if line.ids else []
+      starts = (window_starts(len(line.ids), self.max_len) if line.ids
+                else [0] if self.prompts else [])
       spans.append((len(rows), starts))
       rows += [EncodedLine(line.ids[s:s + self.max_len],
                            None if line.chars is None else line.chars[s:s + self.max_len])

@@ -31,11 +31,10 @@ from transformer_jax import sampling
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig
 from transformer_jax.data import readers
 from transformer_jax.data.pipeline import EvalBatch as PipelineBatch
-from transformer_jax.errors import UserError
-from transformer_jax.inputs import InputError
+from transformer_jax.data.tokenizer import check_known_characters
 from transformer_jax.modules.models import LanguageModel
 from transformer_jax.options import DataOptions, DecodeOptions
-from transformer_jax.serving.line_policy import LinePolicy
+from transformer_jax.serving.line_policy import LinePolicy, escape_line
 from transformer_jax.tasks.base import (
   Batch,
   EvalBatch,
@@ -51,7 +50,6 @@ from transformer_jax.tasks.base import (
 from transformer_jax.tasks.losses import cross_entropy_sums
 
 _PIECES = re.compile(r"(?<=\n\n)(?=[^\n])")   # cut after a blank line, before the next text
-_ESCAPED = re.compile(r"\\(\\|n)")
 
 
 def read_text_file(path: str) -> str:
@@ -65,15 +63,6 @@ def text_pieces(text: str) -> list[dict]:
   return [{"text": piece} for piece in _PIECES.split(text) if piece]
 
 
-def escape_line(text: str) -> str:
-  """A text as one output line: backslash as `\\\\`, newline as `\\n`."""
-  return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def unescape_line(line: str) -> str:
-  return _ESCAPED.sub(lambda m: "\n" if m.group(1) == "n" else "\\", line)
-
-
 class LanguageModelTask(Task):
   name = "lm"
   record_keys = ("text",)
@@ -82,10 +71,9 @@ class LanguageModelTask(Task):
   counted_keys = ("targets",)
   metric_names = ("loss", "accuracy", "perplexity", "bits_per_character")
   tokenizer_kinds = ("chars", "sentencepiece")
-  serving_output = "token_ids"
+  serving_output = "continuation"
   long_inputs = "truncate"     # a prompt keeps its last tokens (see `truncate`)
   strict_utf8 = True           # a prompt that is not UTF-8 is refused, not guessed at
-  draws = True                 # predict passes each row's line number: its key
 
   # ---------------------------------------------------------------------- data
   @classmethod
@@ -112,14 +100,9 @@ class LanguageModelTask(Task):
 
   # ------------------------------------------------------------------- records
   def record_from_line(self, line: str) -> dict:
-    """A prompt; characters a character vocabulary lacks are refused (the model never saw
-    its unknown id in training, so a continuation of it would be noise)."""
-    text = unescape_line(line)
-    unknown = self.tokenizer.unknown(text) if hasattr(self.tokenizer, "unknown") else []
-    if unknown:
-      raise UserError(f"characters {''.join(unknown)!r} are not in the model's vocabulary of "
-                      f"{self.tokenizer.vocab_size} ids; leave them out of the prompt")
-    return {"text": text}
+    """A prompt (its escapes already read by the line policy)."""
+    check_known_characters(self.tokenizer, line)
+    return {"text": line}
 
   def featurize(self, record: dict) -> Example:
     """A document: BOS + text -> text + EOS."""
@@ -135,7 +118,7 @@ class LanguageModelTask(Task):
             for k, v in example.items()}
 
   def line_policy(self, data: DataOptions) -> LinePolicy:
-    return LinePolicy(too_long="truncate", truncate="tail")
+    return LinePolicy(too_long="truncate", truncate="tail", escapes=True)
 
   def model_batch(self, packed: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
     get = padded_getter(packed, rows)
@@ -180,38 +163,32 @@ class LanguageModelTask(Task):
 
   # ---------------------------------------------------------------- generation
   def continue_prompts(self, params: Any, prompts: Sequence[np.ndarray],
-                       decode: DecodeOptions, line_numbers: Sequence[int]) -> list[str]:
-    """Each prompt's (BOS + tokens) continuation as text, drawn with its line's key."""
-    width = self.model_config.max_len
-    if decode.max_new_tokens >= width:
-      raise InputError(f"max_new_tokens={decode.max_new_tokens}: the model's context is "
-                       f"max_len={width} tokens, the prompt's BOS among them; ask for at "
-                       f"most {width - 1}")
-    context = width - decode.max_new_tokens
+                       decode: DecodeOptions) -> list[str]:
+    """Each prompt's (token ids, no BOS) continuation as text (sampling.generate)."""
+    sampling.check_room(self.model_config, decode.max_new_tokens)
+    width = max([len(p) for p in prompts] + [1])
     rows = np.zeros((len(prompts), width), np.int32)
-    lengths = np.zeros(len(prompts), np.int32)
     for b, prompt in enumerate(prompts):
-      if len(prompt) > context:
-        prompt = np.concatenate([prompt[:1], prompt[len(prompt) - context + 1:]])
-      rows[b, :len(prompt)], lengths[b] = prompt, len(prompt)
-    run = sampling.compiled_continuation(self.model_config, decode.max_new_tokens)
-    out = run(params, rows, lengths, sampling.sample_keys(decode.seed, line_numbers),
-              jnp.float32(decode.temperature), jnp.int32(decode.top_k),
-              jnp.float32(decode.top_p))
-    return [self.tokenizer.decode(t) for t in sampling.continuations(out, lengths)]
+      rows[b, :len(prompt)] = prompt
+    run = sampling.compiled_generate(self.model_config, decode.max_new_tokens)
+    out = run(params, rows, decode.temperature, decode.top_k, decode.top_p, decode.seed)
+    return [self.tokenizer.decode(t) for t in sampling.continuations(out)]
 
   def predict(self, params: Any, batch: Mapping[str, np.ndarray],
-              decode: DecodeOptions, line_numbers: Sequence[int] | None = None) -> list[str]:
-    """Each row's continuation as one line (escaped). A row's draws use the key of its
-    line number (default: its row)."""
-    prompts = [row[row != PAD_ID] for row in np.asarray(batch["inputs"])]
-    numbers = list(range(len(prompts))) if line_numbers is None else list(line_numbers)
-    numbers += [0] * (len(prompts) - len(numbers))     # the batch's padding rows
-    return [escape_line(t) for t in self.continue_prompts(params, prompts, decode, numbers)]
+              decode: DecodeOptions) -> list[str]:
+    """Each row's continuation as one line (escaped, as the line policy reads prompts)."""
+    prompts = [row[1:][row[1:] != PAD_ID] for row in np.asarray(batch["inputs"])]   # no BOS
+    return [escape_line(t) for t in self.continue_prompts(params, prompts, decode)]
 
   def serving_function(self, decode: DecodeOptions) -> Callable[..., jax.Array]:
-    raise UserError("export --format=stablehlo of an lm model is not supported yet; "
-                    "use python -m transformer_jax.predict")
+    """(params, prompt ids (B, S) right-padded, no BOS) -> (B, max_new_tokens) continuation
+    ids, drawn with the run's decode options as predict draws them."""
+    sampling.check_room(self.model_config, decode.max_new_tokens)
+
+    def continue_lines(params: Any, prompts: jax.Array) -> jax.Array:
+      return sampling.generate(self.model, params, prompts, decode.max_new_tokens,
+                               decode.temperature, decode.top_k, decode.top_p, decode.seed)
+    return continue_lines
 
   # ---------------------------------------------------------------- evaluation
   def evaluate(self, params: Any, batches: Sequence[EvalBatch], eval_step: EvalStep,
@@ -234,7 +211,7 @@ class LanguageModelTask(Task):
     decode = DecodeOptions(**{**decode.__dict__,
                               "max_new_tokens": min(decode.max_new_tokens,
                                                     self.model_config.max_len // 2)})
-    outputs = self.continue_prompts(params, [p for p, _ in rows], decode, range(len(rows)))
+    outputs = self.continue_prompts(params, [p[1:] for p, _ in rows], decode)
     samples = []
     for (prompt, record), output in zip(rows, outputs):
       shown = self.tokenizer.decode(prompt[1:])
