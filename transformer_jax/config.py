@@ -19,6 +19,10 @@ PAD_ID = 0
 BOS_ID = 1
 EOS_ID = 2
 UNK_ID = 3
+# The output logit of PAD, BOS and UNK under `bos_is_eos`: far below what a model gives its
+# real tokens, so their probability is 0 in float32; finite, so label smoothing's sum over
+# every logit stays finite (it adds a constant to the smoothed loss, no gradient).
+NO_TOKEN_LOGIT = -1e4
 
 _CHOICES = {
     "norm_position": ("post", "pre"),
@@ -73,6 +77,13 @@ class TransformerConfig:
       encoding is still added), as Marian starts its decoders and CTranslate2 runs them:
       set by imports from MarianMT, and for a model trained here that is to be deployed on
       CTranslate2 (convert --to=hf_marian).
+    scale_embeddings: token embeddings are multiplied by sqrt(d_model) before the positions
+      are added (paper §3.4); False: used as they are (GPT-2, whose tied output projection
+      reads the same table).
+    bos_is_eos: one token, EOS, both ends a text and starts the next (GPT-2's
+      <|endoftext|>): BOS reads EOS's embedding row, and the output scores only EOS and the
+      text's tokens, PAD, BOS and UNK (ids such a vocabulary lacks) getting the logit
+      NO_TOKEN_LOGIT, so training never moves their rows. Set by convert --from=hf_gpt2.
     attention_impl: "einsum" (explicit; the only path that can return attention weights
       or apply attention dropout), "xla" (jax.nn.dot_product_attention with a dense mask),
       the fused kernels that never write the scores, "cudnn" (NVIDIA GPUs) and "splash"
@@ -117,6 +128,8 @@ class TransformerConfig:
   sinusoidal_layout: str = "interleaved"
   final_logits_bias: bool = False
   zero_decoder_start: bool = False
+  scale_embeddings: bool = True
+  bos_is_eos: bool = False
   attention_impl: str = "xla"
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -207,7 +220,7 @@ class TransformerConfig:
     if not isinstance(self.layer_norm_epsilon, (int, float)) or self.layer_norm_epsilon <= 0:
       fail("layer_norm_epsilon", "must be a positive number")
     for field in ("scan_layers", "fused_qkv", "final_logits_bias", "zero_decoder_start",
-                  "gated_ffn", "use_bias"):
+                  "gated_ffn", "use_bias", "scale_embeddings", "bos_is_eos"):
       if not isinstance(getattr(self, field), bool):
         fail(field, "must be True or False")
     for field, choices in _CHOICES.items():

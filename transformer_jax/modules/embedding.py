@@ -110,7 +110,8 @@ class PositionalEncoding(nn.Module):
 class InputEmbedding(nn.Module):
   """tokens -> dropout(embed(tokens) * sqrt(d_model) [+ features] + PE(positions)), where
   `features` (B, T, d_model) are optional extra per-token vectors (e.g. a word's spelling,
-  `CharacterFeatures`); the token `zero_token`, if given, embeds to zeros."""
+  `CharacterFeatures`); the token `zero_token`, if given, embeds to zeros. Without
+  `config.scale_embeddings` the embeddings are not scaled (GPT-2)."""
 
   config: TransformerConfig
   embedding: nn.Embed
@@ -119,7 +120,9 @@ class InputEmbedding(nn.Module):
   def __call__(self, tokens: Array, positions: Array, *, features: Array | None = None,
                zero_token: int | None = None, train: bool = False) -> Array:
     cfg = self.config
-    x = self.embedding(tokens) * jnp.sqrt(cfg.d_model).astype(cfg.compute_dtype)
+    x = self.embedding(tokens)
+    if cfg.scale_embeddings:
+      x = x * jnp.sqrt(cfg.d_model).astype(cfg.compute_dtype)
     if zero_token is not None:
       x = jnp.where((tokens == zero_token)[..., None], jnp.zeros((), x.dtype), x)
     if features is not None:

@@ -14,7 +14,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.config import BOS_ID, PAD_ID, TransformerConfig
+from transformer_jax.config import (
+  BOS_ID,
+  EOS_ID,
+  NO_TOKEN_LOGIT,
+  PAD_ID,
+  UNK_ID,
+  TransformerConfig,
+)
 from transformer_jax.modules.attention import AttentionMask
 from transformer_jax.modules.embedding import InputEmbedding, tied_projection, token_embedding
 from transformer_jax.modules.layers import DecoderLayer, EncoderLayer, norm
@@ -134,7 +141,9 @@ class Decoder(nn.Module):
       tgt_positions = default_positions(tgt_tokens)
 
     start = BOS_ID if cfg.zero_decoder_start else None
-    y = InputEmbedding(cfg, embedding, name="input_embedding")(tgt_tokens, tgt_positions,
+    # bos_is_eos: BOS reads EOS's row (GPT-2's <|endoftext|> starts and ends texts).
+    embedded = jnp.where(tgt_tokens == BOS_ID, EOS_ID, tgt_tokens) if cfg.bos_is_eos else tgt_tokens
+    y = InputEmbedding(cfg, embedding, name="input_embedding")(embedded, tgt_positions,
                                                                 zero_token=start, train=train)
     layer = lambda name: DecoderLayer(cfg, self.cross_attention, name=name)
     y = apply_layers(cfg, layer, cfg.num_decoder_layers, y, encoded, self_mask, cross_mask,
@@ -163,7 +172,11 @@ class Decoder(nn.Module):
                         partitioned(nn.initializers.zeros_init(), ("vocab",)),
                         (cfg.tgt_vocab_size,), cfg.params_dtype)
       logits = logits + bias.astype(logits.dtype)
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    if cfg.bos_is_eos:   # a vocabulary without PAD, BOS and UNK tokens never predicts them
+      absent = jnp.isin(jnp.arange(logits.shape[-1]), jnp.array([PAD_ID, BOS_ID, UNK_ID]))
+      logits = jnp.where(absent, NO_TOKEN_LOGIT, logits)
+    return logits
 
 
 class Transformer(nn.Module):
