@@ -36,7 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.update(dict(
       d_model=128, num_heads=4, d_ff=512, num_encoder_layers=0, num_decoder_layers=4,
       dropout_rate=0.0, attention_dropout_rate=0.0, max_len=64, norm_position="pre",
-      positional="learned", activation="gelu", use_bias=False, attention_impl="einsum",
+      positional="learned", activation="gelu", use_bias=False, attention_impl="auto",
       layer_norm_epsilon=1e-5))
 
   config.optimizer.update(dict(

@@ -195,19 +195,24 @@ def test_prompt_lines_escape_newlines_and_backslashes():
 
 
 @pytest.fixture(scope="module")
-def trained_lm(tmp_path_factory):
-  """A tiny character LM trained a few steps on a made-up text (stream layout)."""
-  from configs import shakespeare_char
-  from transformer_jax.training import loop
+def lm_data(tmp_path_factory) -> str:
+  """A made-up text's train.txt.gz and val.txt.gz."""
   data = tmp_path_factory.mktemp("lm_data")
   words = "the king and the queen spoke of the crown and the sword\n".split(" ")
   rng = np.random.default_rng(0)
   for split, count in (("train", 3000), ("val", 300)):
-    text = " ".join(rng.choice(words, count))
     with gzip.open(data / f"{split}.txt.gz", "wt") as f:
-      f.write(text)
+      f.write(" ".join(rng.choice(words, count)))
+  return str(data)
+
+
+@pytest.fixture(scope="module")
+def trained_lm(tmp_path_factory, lm_data):
+  """A tiny character LM trained a few steps on the made-up text (stream layout)."""
+  from configs import shakespeare_char
+  from transformer_jax.training import loop
   config = shakespeare_char.get_config()
-  config.data.dir = str(data)
+  config.data.dir = lm_data
   config.num_train_steps = 4
   config.eval_every_steps = 4
   config.checkpoint_every_steps = 4
@@ -251,3 +256,64 @@ def test_served_artifact_answers_as_predict(trained_lm, tmp_path):
   assert all(served.predict(prompts))
   with pytest.raises(InputError, match="not in the model's vocabulary"):
     served.predict(["the Z"])
+
+
+def _tiny_lm_config(data_dir: str, steps: int):
+  from configs import shakespeare_char
+  config = shakespeare_char.get_config()
+  config.data.dir = data_dir
+  config.update(dict(num_train_steps=steps, eval_every_steps=100, checkpoint_every_steps=3,
+                     log_every_steps=1, batch_size=8))
+  config.data.max_length = config.data.eval_max_length = 16
+  config.decode.max_new_tokens = 4
+  config.eval.num_samples = 0
+  config.model.update(dict(d_model=16, num_heads=2, d_ff=32, num_decoder_layers=1,
+                           max_len=16))
+  return config
+
+
+def _losses(workdir: str) -> dict[int, float]:
+  import json
+  import os
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def test_stream_training_resumes_exactly(lm_data, tmp_path):
+  """Six steps straight, and three then three more from the checkpoint, give the same
+  losses: the window order is part of the checkpoint."""
+  from transformer_jax.training import loop
+  data_dir = lm_data
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  loop.train_and_evaluate(_tiny_lm_config(data_dir, 6), straight)
+  loop.train_and_evaluate(_tiny_lm_config(data_dir, 3), resumed)
+  loop.train_and_evaluate(_tiny_lm_config(data_dir, 6), resumed)
+  assert _losses(straight) == pytest.approx(_losses(resumed), rel=1e-6)
+  assert len(_losses(straight)) == 6
+
+
+def test_missing_train_file_is_one_line(tmp_path, capsys):
+  from test_bad_inputs import run_user_error
+
+  from transformer_jax.training import loop
+  (tmp_path / "data").mkdir()
+  (tmp_path / "data" / "val.txt").write_text("some text\n")
+  status, lines = run_user_error(
+      lambda: loop.train_and_evaluate(_tiny_lm_config(str(tmp_path / "data"), 2),
+                                      str(tmp_path / "w")), capsys)
+  assert status == 2 and len(lines) == 1
+  assert "train.txt" in lines[0] and lines[0].startswith("error:")
+
+
+def test_lm1b_documents_from_tfds_mock_data(tmp_path):
+  """TFDS's lm1b (mock data) as documents packed with segment ids: trains and evaluates."""
+  import tensorflow_datasets as tfds
+
+  from transformer_jax.training import loop
+  config = _tiny_lm_config("", 2)
+  config.data.update(dict(source="tfds", name="lm1b", eval_split="test", layout="documents",
+                          too_long="split"))
+  with tfds.testing.mock_data(num_examples=24):
+    metrics = loop.train_and_evaluate(config, str(tmp_path / "w"))
+  assert np.isfinite(metrics["eval/bits_per_character"])
