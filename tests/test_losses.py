@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,6 +193,26 @@ def test_invalid_schedule_and_optimizer_settings_name_the_field():
     make_schedule(opt_cfg(schedule="constant", learning_rate=0.0), 64, 100)
   with pytest.raises(ValueError, match="optimizer.name"):
     make_optimizer(opt_cfg(name="sgd"), optax.constant_schedule(1e-3))
+
+
+def test_adamw_on_matrices_only_decays_no_bias_or_norm():
+  """decay_matrices_only: with zero gradients one AdamW step shrinks the weight matrices and
+  embeddings alone; biases (attention's are (heads, d_k) matrices), norm scales unchanged."""
+  from transformer_jax.modules.models import LanguageModel
+  cfg = tiny_config(num_encoder_layers=0, norm_position="pre", positional="learned")
+  params = nn.meta.unbox(LanguageModel(cfg).init(jax.random.PRNGKey(0),
+                                                 jnp.ones((1, 4), jnp.int32)))["params"]
+  tx = make_optimizer(opt_cfg(name="adamw", weight_decay=0.1, decay_matrices_only=True,
+                              clip_grad_norm=0.0), optax.constant_schedule(1e-2))
+  zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  changed = {jax.tree_util.keystr(path): bool(jnp.any(u != 0))
+             for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]}
+  assert changed["['embedding']['embedding']"]
+  assert changed["['decoder']['layer_0']['self_attention']['query']['kernel']"]
+  assert not changed["['decoder']['layer_0']['self_attention']['query']['bias']"]
+  for name, moved in changed.items():
+    assert moved == (name.endswith("['kernel']") or "embedding']" in name), name
 
 
 # -------------------------------------------------------------------------- metrics

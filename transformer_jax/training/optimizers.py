@@ -44,8 +44,10 @@ def make_optimizer(cfg: OptimizerOptions, schedule: optax.Schedule,
   carried over by init_from) are scaled by cfg.pretrained_rate_scale: a lower rate for a
   pretrained encoder than for its fresh head (ULMFiT's discriminative fine-tuning)."""
   if cfg.name == "adamw":
-    # decay_matrices_only: as GPT-2 and nanoGPT, no decay of biases and norm scales.
-    mask = (lambda params: jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
+    # decay_matrices_only: as GPT-2 and nanoGPT, no decay of biases and norm scales. A bias
+    # can be a matrix here: an attention projection's is (heads, d_k).
+    decayed = lambda path, p: p.ndim >= 2 and getattr(path[-1], "key", None) != "bias"
+    mask = (lambda params: jax.tree_util.tree_map_with_path(decayed, params)
             ) if cfg.decay_matrices_only else None
     tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                      weight_decay=cfg.weight_decay, mask=mask)
