@@ -307,3 +307,44 @@ def test_auto_attention_is_planned_as_splash_attention_for_tpu():
   (program,) = programs.build_programs(config, mesh, ("train_step",))
   with targets.tracing_for(topo):
     assert "tpu_custom_call" not in program.fn.lower(*program.args).as_text()
+
+
+def tiny_lm_config(batch_size: int = 16, **model):
+  """configs/gpt2_small.py at a size that compiles in seconds: 2 layers, d_model 64, rows of
+  128 tokens, a vocabulary of 512."""
+  from configs import gpt2_small
+  config = gpt2_small.get_config()
+  config.model.update(num_decoder_layers=2, d_model=64, d_ff=128, num_heads=2, max_len=128,
+                      **model)
+  config.data.update(vocab_size=512, max_length=128, eval_max_length=128)
+  config.update(batch_size=batch_size, grad_accum_steps=1)
+  config.eval.batch_size, config.decode.max_new_tokens = 8, 8
+  return config
+
+
+def test_lm_config_plans_the_language_models_programs_and_flops():
+  """An lm config: the train step on the task's batch (inputs, targets, positions, segment
+  ids of data.max_length), counted by the decoder-only formula; it fits with XLA's estimate;
+  the continuations compile as the decode program; auto attention is splash's kernel."""
+  from transformer_jax.flops import lm_flops
+  topo = targets.tpu_topology("v5p:2x2x1")
+  mesh = sharding.make_mesh(dict(data=4), topo.devices)
+  config = tiny_lm_config(attention_impl="einsum")
+  built = {p.name: p for p in programs.build_programs(config, mesh)}
+  assert list(built) == list(programs.PROGRAMS)
+  train = built["train_step"]
+  batch = train.args[1]
+  assert sorted(batch) == ["inputs", "positions", "segment_ids", "targets"]
+  assert all(x.shape == (16, 128) for x in batch.values())
+  cfg = programs.experiment_for(config, mesh).model_config
+  assert cfg.num_encoder_layers == 0 and cfg.vocab_size == 512
+  assert train.model_flops == lm_flops(cfg, 16, 128)["total"] and train.tokens == 16 * 128
+  assert built["eval_step"].model_flops == lm_flops(cfg, 8, 128, training=False)["total"]
+  compiled = {name: report.compile_program(built[name], topo, mesh)
+              for name in ("train_step", "decode")}
+  assert all(r.fits and r.total_bytes > 0 for r in compiled.values())
+  assert 0 < compiled["train_step"].estimated_mfu < 1
+  (auto,) = programs.build_programs(tiny_lm_config(attention_impl="auto"), mesh,
+                                    ("train_step",))
+  with targets.tracing_for(topo):
+    assert "tpu_custom_call" in auto.fn.lower(*auto.args).as_text()

@@ -148,3 +148,20 @@ def test_a_kernel_that_cannot_be_traced_for_the_target_is_refused_in_one_line(mo
                                         r"pip install -r requirements-gpu.txt"):
     with targets.tracing_for(topo):
       program.fn.lower(*program.args)
+
+
+@needs_plugin
+def test_lm_config_plans_for_one_h100_with_cudnn_and_sampling():
+  """An lm config on one H100: auto attention is cuDNN's causal kernel, and sampling over a
+  GPT-2-sized vocabulary compiles (its sort as XLA's own: CUB's needs the CUDA runtime)."""
+  from tests.test_aot import tiny_lm_config
+  topo = targets.describe("h100-sxm:1", "--target")
+  mesh = sharding.make_mesh(dict(data=1), topo.devices)
+  config = tiny_lm_config(attention_impl="auto")
+  config.data.vocab_size, config.eval.batch_size = 50257, 64
+  built = programs.build_programs(config, mesh, ("train_step", "decode"))
+  results = {p.name: report.compile_program(p, topo, mesh) for p in built}
+  assert all(r.fits and r.total_bytes > 0 for r in results.values())
+  assert "__cudnn$fmha" in results["train_step"].note
+  assert results["train_step"].roofline_mfu is not None
+  assert report.CUB_SORT_OFF_NOTE in results["decode"].note

@@ -18,7 +18,8 @@ from transformer_jax import decoding, sharding
 from transformer_jax.aot.targets import UsageError
 from transformer_jax.data.sources import training_widths
 from transformer_jax.data.synthetic import SyntheticData
-from transformer_jax.flops import model_flops
+from transformer_jax.flops import lm_flops, model_flops
+from transformer_jax.modules.models import LanguageModel
 from transformer_jax.options import DataOptions, RunOptions
 from transformer_jax.training.experiment import Experiment
 
@@ -84,10 +85,25 @@ def experiment_for(config: Any, mesh: jax.sharding.Mesh) -> Experiment:
   separate = None if options.data.shared_vocab else vocab_size
   experiment = Experiment.create(options, data=False, vocab_sizes=(vocab_size, separate),
                                  mesh=mesh)
-  if not experiment.task.has_target_text:
+  if not (experiment.task.has_target_text or decoder_only(experiment)):
     raise UsageError(f"task={options.train.task!r}: aot compiles translation (seq2seq) "
-                     "configs")
+                     "and language model (lm) configs")
   return experiment
+
+
+def decoder_only(experiment: Experiment) -> bool:
+  """Whether the run's model is the decoder-only language model (one sequence a row)."""
+  return isinstance(experiment.task.model, LanguageModel)
+
+
+def _counts(experiment: Experiment, rows: int, src_len: int, tgt_len: int,
+            training: bool = True) -> tuple[int, int]:
+  """(model FLOPs, array tokens) of one call on `rows` rows: a source of `src_len` and a
+  target of `tgt_len` tokens, or for a language model one sequence of `tgt_len`."""
+  cfg = experiment.model_config
+  if decoder_only(experiment):
+    return lm_flops(cfg, rows, tgt_len, training)["total"], rows * tgt_len
+  return model_flops(cfg, rows, src_len, tgt_len, training)["total"], rows * (src_len + tgt_len)
 
 
 def build_programs(config: Any, mesh: jax.sharding.Mesh,
@@ -96,8 +112,10 @@ def build_programs(config: Any, mesh: jax.sharding.Mesh,
   the train step on a `batch_size` x `data.max_length` batch with the donated, sharded
   state; the eval step on the longest evaluation bucket; beam search as evaluation runs it
   (parameters in their training layout, the source rows as a host array: replicated, then
-  split over the batch axes inside the search; decoding.compiled_search). All
-  three come from the run's Experiment, as in train.py."""
+  split over the batch axes inside the search; decoding.compiled_search), or for a language
+  model, its continuations of eval.batch_size prompts (the task's serving function:
+  decode.max_new_tokens drawn through the KV cache, as predict draws them). All three come
+  from the run's Experiment, as in train.py."""
   options = RunOptions.parse(config)
   experiment = experiment_for(options, mesh)
   model_cfg = experiment.model_config
@@ -109,8 +127,7 @@ def build_programs(config: Any, mesh: jax.sharding.Mesh,
     rows = options.train.batch_size
     programs.append(Program("train_step", experiment.train_step(state_sharding),
                             (state, _batch(experiment, synthetic, rows, src_len, tgt_len)),
-                            model_flops(model_cfg, rows, src_len, tgt_len)["total"],
-                            rows * (src_len + tgt_len)))
+                            *_counts(experiment, rows, src_len, tgt_len)))
   # Synthetic data evaluates at its training widths; text in buckets up to eval_max_length.
   eval_len = options.data.eval_max_length
   eval_src, eval_tgt = (src_len, tgt_len) if synthetic else (eval_len, eval_len)
@@ -121,10 +138,14 @@ def build_programs(config: Any, mesh: jax.sharding.Mesh,
     programs.append(Program("eval_step", experiment.eval_step(state_sharding.params),
                             (state.params, _batch(experiment, synthetic, eval_rows, eval_src,
                                                     eval_tgt)),
-                            model_flops(model_cfg, eval_rows, eval_src, eval_tgt,
-                                        training=False)["total"],
-                            eval_rows * (eval_src + eval_tgt)))
-  if "decode" in names:
+                            *_counts(experiment, eval_rows, eval_src, eval_tgt, training=False)))
+  if "decode" in names and decoder_only(experiment):
+    # The served function: the run's decode options, prompts right-padded to eval_src.
+    continuations = jax.jit(experiment.task.serving_function(experiment.decode))
+    prompts = jax.ShapeDtypeStruct((experiment.eval.batch_size, eval_src), jnp.int32,
+                                   sharding=sharding.replicated(mesh))
+    programs.append(Program("decode", continuations, (state.params, prompts), None, None))
+  elif "decode" in names:
     decode = experiment.decode
     max_length = min(eval_tgt + decode.max_extra_length, model_cfg.max_len)
     fn = decoding.compiled_search(model_cfg, decode.beam_size, decode.alpha, max_length,

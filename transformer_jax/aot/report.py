@@ -27,6 +27,17 @@ GPU_NOTE = ("XLA's GPU compiler gives no cost analysis: no compiled FLOPs or byt
 TRITON_OFF_NOTE = ("compiled with cuBLAS matmuls (xla_gpu_enable_triton_gemm=false): XLA "
                    "could not tile one for Triton without a GPU to autotune on")
 _TRITON_TILING = "Couldn't find output tile sizes"
+CUB_SORT_OFF_NOTE = ("compiled with XLA's own sort (xla_gpu_enable_cub_radix_sort=false): a "
+                     "large sort (sampling's, over the vocabulary) is CUB's on a GPU, whose "
+                     "set-up needs the CUDA runtime this machine lacks; its scratch memory may "
+                     "differ")
+_NO_CUDA_RUNTIME = "Error loading CUDA libraries"
+# What the compile-only GPU compiler cannot do without a GPU, and the option that avoids it:
+# {what its error says: (compiler options, the note that says so)}.
+_GPU_FALLBACKS = {
+    _TRITON_TILING: ({"xla_gpu_enable_triton_gemm": False}, TRITON_OFF_NOTE),
+    _NO_CUDA_RUNTIME: ({"xla_gpu_enable_cub_radix_sort": False}, CUB_SORT_OFF_NOTE),
+}
 ROOFLINE_WITHOUT_COST = ("roofline from the model FLOPs at peak or the arguments and outputs "
                          "at HBM bandwidth (no compiled FLOPs or bytes)")
 KERNELS_UNPRICED = ("calls fused kernels ({kernels}) whose work XLA's cost model does not "
@@ -92,6 +103,24 @@ def _argument_bytes(args: Any) -> int:
              for x in jax.tree_util.tree_leaves(args))
 
 
+def _compile(lowered: Any, notes: list[str]) -> Any:
+  """`lowered` compiled, retried with an option of _GPU_FALLBACKS (its note added) where
+  the GPU compiler fails for want of a GPU: with no GPU to autotune on it can fail to tile
+  a small matmul for Triton (cuBLAS then does the matmuls, as XLA falls back to on a GPU),
+  and without the CUDA runtime it cannot set up CUB's sort."""
+  options: dict[str, Any] = {}
+  while True:
+    try:
+      return lowered.compile(compiler_options=options) if options else lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+      fallback = next((f for marker, f in _GPU_FALLBACKS.items()
+                       if marker in str(e) and not f[0].items() <= options.items()), None)
+      if fallback is None:
+        raise
+      options.update(fallback[0])
+      notes.append(fallback[1])
+
+
 def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mesh,
                     top_ops: int = 0) -> CompileReport:
   """Compiles `program` and reports per chip: memory, fits, FLOPs, bytes and XLA's
@@ -103,15 +132,7 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
     lowered = program.fn.lower(*program.args)
   notes: list[str] = []
   try:
-    try:
-      compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as e:
-      # XLA's GPU compiler, with no GPU to autotune on, can fail to tile a small matmul for
-      # Triton; cuBLAS then does the matmuls (as XLA falls back to on a GPU).
-      if _TRITON_TILING not in str(e):
-        raise
-      compiled = lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": False})
-      notes.append(TRITON_OFF_NOTE)
+    compiled = _compile(lowered, notes)
   except jax.errors.JaxRuntimeError as e:
     oom = _OUT_OF_MEMORY.search(str(e))
     if not oom:
@@ -248,8 +269,8 @@ def format_report(header: str, results: dict[str, CompileReport],
   lines.append(f"note: {note} ('-': XLA gave no estimate for this chip); roofline: "
                "the compiled FLOPs at peak or bytes at HBM bandwidth, whichever is slower "
                "(our bound, not XLA's; another basis is named below); model FLOPs: "
-               "transformer_jax/flops.py; tokens: source + target array tokens (padding "
-               "included).")
+               "transformer_jax/flops.py; tokens: source + target array tokens (a language "
+               "model's: its sequence's; padding included).")
   lines += [f"note: {n}: {results[n].note}" for n in names if results[n].note]
   return "\n".join(lines)
 
