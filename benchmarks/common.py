@@ -2,8 +2,10 @@
 the accelerator's peak rate, and printing a result as a table or one JSON object.
 
 Flags common to `benchmarks.train_step` and `benchmarks.decode` are defined here:
-  --config=FILE (ml_collections, as for train.py; any field overridable as --config.a.b=V)
-  --batch_size --src_length --tgt_length --vocab_size: the batch (default: from the config)
+  --config=FILE (ml_collections, as for train.py; any field overridable as --config.a.b=V):
+    a translation (task seq2seq) or language model (task lm) config
+  --batch_size --src_length --tgt_length (seq2seq) or --length (lm) --vocab_size: the batch
+    (default: from the config)
   --dtype --attention --scan --remat --fused_qkv: TransformerConfig overrides
   --warmup --steps: untimed then timed calls; --json; --seed
 """
@@ -39,8 +41,10 @@ _CONFIG = config_flags.DEFINE_config_file(
 flags.DEFINE_integer("batch_size", None, "Rows per batch (default: config.batch_size).")
 flags.DEFINE_integer("src_length", None, "Source length (default: config.data.max_length).")
 flags.DEFINE_integer("tgt_length", None, "Target length (default: config.data.max_length).")
-flags.DEFINE_integer("vocab_size", None, "Vocabulary (default: config.data.vocab_size, or "
-                     "the synthetic task's).")
+flags.DEFINE_integer("length", None, "A language model's (task lm) tokens per row (default: "
+                     "config.data.max_length).")
+flags.DEFINE_integer("vocab_size", None, "Vocabulary (default: config.data.vocab_size of a "
+                     "SentencePiece config, or the synthetic task's).")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype (parameters stay "
                   "float32).")
 flags.DEFINE_enum("attention", None, ["einsum", "xla", "cudnn", "splash", "auto"],
@@ -61,25 +65,38 @@ _MODEL_FLAGS = {"dtype": "dtype", "attention": "attention_impl", "scan": "scan_l
                 "remat": "remat_policy", "fused_qkv": "fused_qkv"}
 
 
+TASKS = ("seq2seq", "lm")
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  """The resolved benchmark problem."""
+  """The resolved benchmark problem. A language model (task "lm") has no source: its rows
+  are `tgt_length` tokens and `src_length` is 0."""
   config: Any                  # the ml_collections config (optimizer, label smoothing, ...)
   model: TransformerConfig
-  head: dict[str, Any]         # the translation task's options of the model group
+  head: dict[str, Any]         # the task's options of the model group
   batch_size: int
   src_length: int
   tgt_length: int
+  task: str = "seq2seq"        # one of TASKS
 
 
 def setup() -> Setup:
   """The config file with its overrides, then the benchmark flags on top."""
   config = _CONFIG.value
+  task = config.get("task", "seq2seq")
+  if task not in TASKS:
+    raise UserError(f"task={task!r}: the benchmarks time translation (seq2seq) and language "
+                    "model (lm) configs")
   values = dict(config.model.to_dict())
   for flag, field in _MODEL_FLAGS.items():
     if FLAGS[flag].value is not None:
       values[field] = FLAGS[flag].value
   data = config.get("data", {})
+  tokenizer = data.get("tokenizer", "sentencepiece")
+  if data.get("source") != "synthetic" and tokenizer != "sentencepiece" and not FLAGS.vocab_size:
+    raise UserError(f"data.tokenizer={tokenizer!r}: its vocabulary size is known only after "
+                    "reading the data; pass --vocab_size")
   vocab_size = FLAGS.vocab_size or data.get("vocab_size")
   src_length = tgt_length = data.get("max_length")
   if data.get("source") == "synthetic":         # sizes come from the synthetic task
@@ -88,22 +105,33 @@ def setup() -> Setup:
                               config.seed)
     vocab_size = vocab_size or synthetic.vocab.vocab_size
     src_length, tgt_length = synthetic.src_length, synthetic.tgt_length
-  src_length = FLAGS.src_length or src_length
-  tgt_length = FLAGS.tgt_length or tgt_length
-  for name, value in (("vocab_size", vocab_size), ("src_length", src_length),
-                      ("tgt_length", tgt_length)):
+  if task == "lm":      # one sequence a row: --length, not the seq2seq sides
+    for flag in ("src_length", "tgt_length"):
+      if FLAGS[flag].value is not None:
+        raise UserError(f"--{flag} is for seq2seq configs; a language model's rows are "
+                        "--length tokens")
+    src_length, tgt_length = 0, FLAGS.length or tgt_length
+    lengths = {"length": tgt_length}
+  else:
+    if FLAGS.length is not None:
+      raise UserError("--length is for lm configs; give a seq2seq config's --src_length "
+                      "and --tgt_length")
+    src_length = FLAGS.src_length or src_length
+    tgt_length = FLAGS.tgt_length or tgt_length
+    lengths = {"src_length": src_length, "tgt_length": tgt_length}
+  for name, value in {"vocab_size": vocab_size, **lengths}.items():
     if not value:
       raise UserError(f"the config gives no {name}; pass --{name}")
   values["vocab_size"] = vocab_size
-  from transformer_jax.tasks import Seq2SeqTask, split_model_fields
-  fields, head = split_model_fields(Seq2SeqTask, values)
+  from transformer_jax.tasks import split_model_fields, task_class
+  fields, head = split_model_fields(task_class(task), values)
   model = TransformerConfig.from_dict(fields)
   longest = max(src_length, tgt_length)
   if longest > model.max_len:
     raise UserError(f"sequence length {longest} exceeds model.max_len={model.max_len}; "
                     "pass --config.model.max_len")
   return Setup(config, model, head, FLAGS.batch_size or config.batch_size, src_length,
-               tgt_length)
+               tgt_length, task)
 
 
 # ---------------------------------------------------------------------------------- data
@@ -111,7 +139,11 @@ def random_batch(s: Setup, seed: int, packed: bool = False) -> dict[str, np.ndar
   """A training batch of random real tokens (ids above the special ones). Full rows by
   default; `packed` fills each row with several examples of random lengths (segment ids
   1, 2, ..., positions restarting at 0, PAD after the last one that fits), as the data
-  pipeline's packing does."""
+  pipeline's packing does. The task's batch keys: src, tgt_in, tgt_out (and segment ids
+  and positions of each side when packed), or a language model's inputs, targets,
+  positions and segment_ids."""
+  if s.task == "lm":
+    return _lm_batch(s, seed, packed)
   rng = np.random.default_rng(seed)
   low = UNK_ID + 1
   vocab = s.model.vocab_size
@@ -148,6 +180,31 @@ def random_batch(s: Setup, seed: int, packed: bool = False) -> dict[str, np.ndar
   return batch
 
 
+def _lm_batch(s: Setup, seed: int, packed: bool) -> dict[str, np.ndarray]:
+  """Rows of tgt_length tokens: each document's inputs are BOS + its targets but the last."""
+  rng = np.random.default_rng(seed)
+  shape = (s.batch_size, s.tgt_length)
+  targets = rng.integers(UNK_ID + 1, s.model.vocab_size, shape, dtype=np.int32)
+  segments = np.ones(shape, np.int32)
+  if packed:
+    segments[:] = 0
+    for row in range(s.batch_size):
+      start, segment = 0, 1
+      while True:
+        length = int(rng.integers(max(1, s.tgt_length // 8), s.tgt_length // 2 + 2))
+        if start + length > s.tgt_length:
+          break
+        segments[row, start:start + length] = segment
+        start, segment = start + length, segment + 1
+  positions = (_positions(segments) if packed else
+               np.broadcast_to(np.arange(s.tgt_length, dtype=np.int32), shape).copy())
+  inputs = np.concatenate([np.full((s.batch_size, 1), BOS_ID, np.int32), targets[:, :-1]], 1)
+  inputs[positions == 0] = BOS_ID
+  for array in (inputs, targets):
+    array[segments == 0] = PAD_ID
+  return {"inputs": inputs, "targets": targets, "positions": positions, "segment_ids": segments}
+
+
 def _positions(segments: np.ndarray) -> np.ndarray:
   """Position of each token within its segment (0 for padding)."""
   positions = np.zeros_like(segments)
@@ -159,8 +216,10 @@ def _positions(segments: np.ndarray) -> np.ndarray:
 
 
 def count_tokens(batch: dict[str, np.ndarray]) -> int:
-  """Non-padding source + target tokens, as the training loop counts them."""
-  return int((batch["src"] != PAD_ID).sum() + (batch["tgt_out"] != PAD_ID).sum())
+  """Non-padding tokens as the training loop counts them: source + target, or a language
+  model's targets."""
+  keys = ("targets",) if "targets" in batch else ("src", "tgt_out")
+  return int(sum((batch[k] != PAD_ID).sum() for k in keys))
 
 
 # -------------------------------------------------------------------------------- timing

@@ -57,6 +57,9 @@ def main(argv: list[str]) -> None:
     raise errors.UserError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)
   s = common.setup()
+  if s.task != "seq2seq":
+    raise errors.UserError(f"task={s.task!r}: benchmarks.decode times translation's greedy and "
+                           "beam search; give a seq2seq config")
   if FLAGS.max_length > s.model.max_len:
     raise errors.UserError(f"--max_length={FLAGS.max_length} exceeds model.max_len="
                            f"{s.model.max_len}; pass --config.model.max_len")

@@ -1,12 +1,15 @@
-"""The same train step in PyTorch, for `benchmarks.train_step --compare=torch`.
+"""The same train step in PyTorch, for `benchmarks.train_step --compare=torch`: for a seq2seq
+config the model below, for an lm config the GPT of benchmarks/torch_gpt.py.
 
 `torch.nn.Transformer` with the JAX model's dimensions, vocabulary, dropout rates,
 activation and norm position; shared token embedding scaled by sqrt(d_model), sinusoidal (or
 learned) positions, output projection tied to the embedding, label-smoothed cross-entropy
-over non-padding targets, Adam with the config's betas/eps (and gradient clipping when the
-config clips). Post-LN stacks get no final LayerNorm, as in the paper and the JAX model, so
-both have exactly the same parameters (checked). Run eagerly and under `torch.compile`
-(the model with its loss, and the optimizer step), on the same batch, in the same process.
+over non-padding targets. Post-LN stacks get no final LayerNorm, as in the paper and the JAX
+model, so both have exactly the same parameters (checked, for either task). The optimizer is
+Adam, or AdamW with the config's weight decay (on matrices only where the config says so),
+with the config's betas and eps, and clipping where the config clips. Run eagerly and
+under `torch.compile` (the model with its loss, and the optimizer step), on the same batch,
+in the same process.
 
 PyTorch is an optional benchmark dependency: benchmarks/requirements-torch.txt.
 """
@@ -113,17 +116,63 @@ class TorchTransformer(nn.Module):
                           for k, v in convert.torch_state_dict(params, self.config).items()})
 
 
+def check_mirrored(s: common.Setup) -> None:
+  """UserError (one line) for a model option the PyTorch side does not mirror."""
+  if s.task == "lm":
+    from benchmarks.torch_gpt import check_mirrored
+    check_mirrored(s.model)
+  elif not (s.model.share_embeddings and s.model.tie_output):
+    raise errors.UserError("--compare=torch supports shared, tied embeddings (the paper's): "
+                           "set model.share_embeddings and model.tie_output")
+
+
+def _model(s: common.Setup) -> tuple[nn.Module, tuple[str, ...]]:
+  """The PyTorch model of the benchmark's task and the batch keys its forward takes."""
+  if s.task == "lm":
+    from benchmarks.torch_gpt import TorchGPT
+    return TorchGPT(s.model, s.config.label_smoothing), ("inputs", "targets")
+  return TorchTransformer(s.model, s.config.label_smoothing), ("src", "tgt_in", "tgt_out")
+
+
+def _jax_parameters(s: common.Setup, batch: dict[str, np.ndarray]) -> int:
+  """The JAX model's parameter count (shapes only)."""
+  import jax
+
+  from transformer_jax.modules.models import LanguageModel, Transformer
+  from transformer_jax.params import count_params
+  if s.task == "lm":
+    init = lambda: LanguageModel(s.model).init(jax.random.PRNGKey(0), batch["inputs"][:1])
+  else:
+    init = lambda: Transformer(s.model).init(jax.random.PRNGKey(0), batch["src"][:1],
+                                             batch["tgt_in"][:1])
+  return count_params(jax.eval_shape(init)["params"])
+
+
+def _optimizer(model: nn.Module, opt_cfg: Any) -> torch.optim.Optimizer:
+  """Adam, or AdamW with the config's decay (on matrices and embeddings only, as the JAX
+  optimizer's decay_matrices_only), with the config's betas and eps."""
+  lr = float(opt_cfg.learning_rate) if float(opt_cfg.learning_rate) > 0 else 1e-4
+  betas = (opt_cfg.b1, opt_cfg.b2)
+  if opt_cfg.name != "adamw":
+    return torch.optim.Adam(model.parameters(), lr=lr, betas=betas, eps=opt_cfg.eps)
+  decay = float(opt_cfg.weight_decay)
+  if opt_cfg.get("decay_matrices_only", False):
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2]},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+  else:
+    groups = [{"params": list(model.parameters())}]
+  return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=opt_cfg.eps, weight_decay=decay)
+
+
 def _train_step(s: common.Setup, batch: dict[str, np.ndarray], compiled: bool, device: str,
                 seed: int):
-  """(model, step function): one Adam step on `batch` per call, synchronised."""
-  cfg = s.config
+  """(model, step function): one optimizer step on `batch` per call, synchronised."""
   torch.manual_seed(seed)
-  model = TorchTransformer(s.model, cfg.label_smoothing).to(device).train()
-  opt_cfg = cfg.optimizer
-  lr = float(opt_cfg.learning_rate) if float(opt_cfg.learning_rate) > 0 else 1e-4
-  optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(opt_cfg.b1, opt_cfg.b2),
-                               eps=opt_cfg.eps)
-  tensors = [torch.from_numpy(batch[k]).long().to(device) for k in ("src", "tgt_in", "tgt_out")]
+  model, keys = _model(s)
+  model = model.to(device).train()
+  opt_cfg = s.config.optimizer
+  optimizer = _optimizer(model, opt_cfg)
+  tensors = [torch.from_numpy(batch[k]).long().to(device) for k in keys]
   loss_fn = torch.compile(model) if compiled else model
   opt_step = torch.compile(optimizer.step) if compiled else optimizer.step
   clip = float(opt_cfg.clip_grad_norm or 0.0)
@@ -146,17 +195,13 @@ def _train_step(s: common.Setup, batch: dict[str, np.ndarray], compiled: bool, d
 def prepare(s: common.Setup, batch: dict[str, np.ndarray],
             seed: int = 0) -> tuple[dict[str, Any], dict[str, Callable[[], None]]]:
   """Builds and runs once (compiling, under torch.compile) the eager and the compiled train
-  step: (facts, {"torch_eager": call, "torch_compile": call})."""
+  step: (facts, {"torch_eager": call, "torch_compile": call}). Both models' parameter
+  counts are reported, and must agree."""
   import jax
-
-  from transformer_jax.modules.models import Transformer
-  from transformer_jax.params import count_params
   device = "cuda" if jax.devices()[0].platform == "gpu" and torch.cuda.is_available() else "cpu"
-  jax_params = count_params(jax.eval_shape(
-      lambda: Transformer(s.model).init(jax.random.PRNGKey(0), batch["src"][:1],
-                                        batch["tgt_in"][:1])["params"]))
+  jax_params = _jax_parameters(s, batch)
   info: dict[str, Any] = {"torch": torch.__version__, "device": device,
-                          "threads": torch.get_num_threads()}
+                          "threads": torch.get_num_threads(), "jax_parameters": jax_params}
   calls = {}
   for mode in ("eager", "compile"):
     model, step = _train_step(s, batch, mode == "compile", device, seed)
@@ -191,6 +236,8 @@ def table_rows(compare: dict[str, Any]) -> list[tuple[str, str]]:
                                   f"{r['tokens_per_sec']:,.0f} tokens/s, first step "
                                   f"{r['first_step_s']:.1f} s"))
   ratios = compare["ratios"]
+  rows.append(("parameters", f"{compare['jax_parameters']:,} JAX, "
+                             f"{compare['eager']['parameters']:,} PyTorch"))
   rows.append(("jax / torch tokens/s", f"{ratios['jax_vs_torch_eager']:.2f}x eager, "
                                        f"{ratios['jax_vs_torch_compile']:.2f}x torch.compile "
                                        f"(torch {compare['torch']}, {compare['threads']} "

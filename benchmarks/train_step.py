@@ -4,11 +4,14 @@ MFU, memory; optionally side by side with PyTorch.
   python -m benchmarks.train_step --config=configs/wmt14_ende_base.py --batch_size=64 \
       --src_length=32 --tgt_length=32 [--dtype=bfloat16 --scan --remat=dots --fused_qkv] \
       [--compare=torch] [--json]
+  python -m benchmarks.train_step --config=configs/gpt2_small.py --batch_size=16 \
+      --length=1024 [--compare=torch]
 
 The step is the trainer's own (`make_train_step`: loss, gradients, Adam, the non-finite
 guard, state donated), run on one random batch kept on the device, so the figure is the
-step's compute, not the input pipeline. Model FLOPs: `transformer_jax.flops.model_flops`
-(6 N per token for the weights plus the attention terms, no causal halving);
+step's compute, not the input pipeline. A language model's (task lm) rows are --length tokens,
+each document's inputs BOS + its targets. Model FLOPs: `transformer_jax.flops.model_flops`,
+or `lm_flops` (6 N per token for the weights plus the attention terms, no causal halving);
 `hardware_flops_per_step` counts the traced program's matmuls, remat recomputation
 included. MFU = model FLOPs per second / the peak (see --peak_tflops). With --compare=torch
 the JAX, PyTorch-eager and torch.compile steps are timed in turns, `--block` steps at a
@@ -25,9 +28,9 @@ from absl import flags, logging
 
 from benchmarks import common
 from transformer_jax import errors
-from transformer_jax.flops import matmul_flops, model_flops
+from transformer_jax.flops import lm_flops, matmul_flops, model_flops
 from transformer_jax.params import count_params
-from transformer_jax.tasks import Seq2SeqTask
+from transformer_jax.tasks import task_class
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
 from transformer_jax.training.state import create_train_state
 from transformer_jax.training.steps import make_train_step
@@ -43,7 +46,7 @@ FLAGS = flags.FLAGS
 def prepare_jax(s: common.Setup, batch: dict) -> tuple[dict[str, Any], Callable[[], None]]:
   """Compiles the trainer's step: (facts about it, a call that runs one step)."""
   cfg = s.config
-  task = Seq2SeqTask(s.model, label_smoothing=cfg.label_smoothing, head=s.head)
+  task = task_class(s.task)(s.model, label_smoothing=cfg.label_smoothing, head=s.head)
   schedule = make_schedule(cfg.optimizer, s.model.d_model, cfg.num_train_steps)
   optimizer = make_optimizer(cfg.optimizer, schedule)
   params = jax.jit(lambda key: nn.meta.unbox(task.init_params(key)))(
@@ -69,17 +72,21 @@ def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   s = common.setup()
   if FLAGS.packed and FLAGS.compare:
-    raise errors.UserError("--packed has no PyTorch counterpart (torch.nn.Transformer takes no "
+    raise errors.UserError("--packed has no PyTorch counterpart (the PyTorch models take no "
                            "segment ids); drop --compare or --packed")
+  lm = s.task == "lm"
   batch = common.random_batch(s, FLAGS.seed, packed=FLAGS.packed)
   tokens = common.count_tokens(batch)
-  flops = model_flops(s.model, s.batch_size, s.src_length, s.tgt_length)
+  flops = (lm_flops(s.model, s.batch_size, s.tgt_length) if lm
+           else model_flops(s.model, s.batch_size, s.src_length, s.tgt_length))
   peak, peak_source = common.peak_tflops(s.model.dtype, FLAGS.peak_tflops)
 
+  if FLAGS.compare == "torch":   # refused before any work if PyTorch cannot mirror it
+    from benchmarks import torch_reference
+    torch_reference.check_mirrored(s)
   jax_info, jax_call = prepare_jax(s, batch)
   calls = {"jax": jax_call}
   if FLAGS.compare == "torch":
-    from benchmarks import torch_reference
     torch_info, torch_calls = torch_reference.prepare(s, batch, FLAGS.seed)
     calls.update(torch_calls)
   # In turns, so that JAX and PyTorch see the same load on a shared machine.
@@ -90,16 +97,21 @@ def main(argv: list[str]) -> None:
   achieved = flops["total"] / seconds / 1e12
   result = {
       "benchmark": "train_step", **common.stamp(), "model": s.model.to_dict(),
-      "batch": {"batch_size": s.batch_size, "src_length": s.src_length,
-                "tgt_length": s.tgt_length, "packed": FLAGS.packed,
-                "tokens_per_step": tokens},
+      "task": s.task,
+      "batch": {"batch_size": s.batch_size,
+                **({"length": s.tgt_length} if lm else {"src_length": s.src_length,
+                                                         "tgt_length": s.tgt_length}),
+                "packed": FLAGS.packed, "tokens_per_step": tokens},
       **jax_result,
       "tokens_per_sec": tokens / seconds,
       "model_flops_per_step": flops["total"],
       "model_flops_breakdown": {"weights": flops["weights"], "attention": flops["attention"]},
-      "flops_formula": "6*N per token for the weights (source and target tokens through the "
-                       "matmul weights each meets) + 12*d*L*(lengths product) per sequence "
-                       "for encoder self-, decoder self- and cross-attention",
+      "flops_formula": ("6*N per token for the weights (each token through the decoder-only "
+                        "model's matmul weights) + 12*d*L*T^2 per sequence for the causal "
+                        "self-attention" if lm else
+                        "6*N per token for the weights (source and target tokens through the "
+                        "matmul weights each meets) + 12*d*L*(lengths product) per sequence "
+                        "for encoder self-, decoder self- and cross-attention"),
       "causal_halving": False,
       "achieved_tflops": achieved, "peak_tflops": peak, "peak_source": peak_source,
       "mfu": achieved / peak,
@@ -108,12 +120,15 @@ def main(argv: list[str]) -> None:
       ("device", f"{result['device']['kind']} ({result['device']['platform']}), "
                  f"load average {result['load_average']}"),
       ("model", f"{result['parameters']:,} parameters, d_model {s.model.d_model}, "
-                f"{s.model.num_encoder_layers}+{s.model.num_decoder_layers} layers, "
+                + (f"{s.model.num_decoder_layers} layers (decoder-only), " if lm else
+                   f"{s.model.num_encoder_layers}+{s.model.num_decoder_layers} layers, ")
+                + f"vocab {s.model.vocab_size:,}, "
                 f"{s.model.dtype}, attention {s.model.attention_impl}, scan "
                 f"{s.model.scan_layers}, remat {s.model.remat_policy}, fused_qkv "
                 f"{s.model.fused_qkv}"),
-      ("batch", f"{s.batch_size} x ({s.src_length} + {s.tgt_length}), {tokens:,} tokens"
-                f"{' (packed)' if FLAGS.packed else ''}"),
+      ("batch", (f"{s.batch_size} x {s.tgt_length}" if lm else
+                 f"{s.batch_size} x ({s.src_length} + {s.tgt_length})")
+                + f", {tokens:,} tokens{' (packed)' if FLAGS.packed else ''}"),
       ("compile_s", f"{result['compile_s']:.2f} (lowering {result['lower_s']:.2f}; CPU time "
                     f"{result['compile_cpu_s']:.2f})"),
       ("step_time", common.fmt_ms(result["step_time_ms"])),

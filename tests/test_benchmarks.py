@@ -16,12 +16,18 @@ from conftest import tiny_config
 
 from transformer_jax import Transformer, errors
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID
-from transformer_jax.flops import model_flops
+from transformer_jax.flops import lm_flops, model_flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config=configs/default.py", "--config.model.d_model=32", "--config.model.d_ff=64",
         "--config.model.num_heads=2", "--config.model.num_encoder_layers=1",
         "--config.model.num_decoder_layers=2", "--batch_size=3", "--warmup=1", "--steps=2"]
+# The character-level language model at the same size (its vocabulary given: a character
+# vocabulary is known only after reading the text).
+TINY_LM = ["--config=configs/shakespeare_char.py", "--config.model.d_model=32",
+           "--config.model.d_ff=64", "--config.model.num_heads=2",
+           "--config.model.num_decoder_layers=2", "--vocab_size=40", "--length=16",
+           "--batch_size=3", "--warmup=1", "--steps=2"]
 
 
 def _run(module: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -66,6 +72,26 @@ def test_train_step_json_has_consistent_fields():
   assert r["peak_tflops"] == 2.5 and r["peak_source"] == "--peak_tflops"
   assert r["mfu"] == pytest.approx(r["achieved_tflops"] / 2.5)
   assert "peak_memory_bytes" in r and r["compiled_memory"]["total_bytes"] > 0
+
+
+def test_lm_train_step_times_the_language_model_with_its_flops():
+  """An lm config: the decoder-only model's step on (B, --length) rows, counted by lm_flops;
+  the seq2seq length flags and a character vocabulary without --vocab_size are refused."""
+  out = _run("benchmarks.train_step", *TINY_LM, "--packed", "--peak_tflops=2.5", "--json")
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  model, b = r["model"], r["batch"]
+  assert r["task"] == "lm" and model["num_decoder_layers"] == 2 and b["length"] == 16
+  assert 0 < b["tokens_per_step"] < 3 * 16                    # packed: padding after the last
+  cfg = tiny_config().replace(**{k: v for k, v in model.items() if k != "vocab_size"},
+                              vocab_size=40)
+  assert r["model_flops_per_step"] == lm_flops(cfg, 3, 16)["total"]
+  assert r["hardware_flops_per_step"] == r["model_flops_per_step"]     # no remat
+  # Tokens, positions (max_len 64), two layers (attention, FFN, norm scales: no biases).
+  assert r["parameters"] == 40 * 32 + 64 * 32 + 2 * (4 * 32 * 32 + 2 * 32 * 64 + 2 * 32) + 32
+  assert r["mfu"] == pytest.approx(r["achieved_tflops"] / 2.5)
+  for flag, culprit in (("--src_length=8", "--src_length"), ("--vocab_size=0", "--vocab_size")):
+    out = _run("benchmarks.train_step", *TINY_LM, flag, check=False)
+    assert out.returncode == 2 and culprit in out.stderr.strip().splitlines()[-1], out.stderr
 
 
 PEER_HARNESS = os.path.join(ROOT, "..", "shared", "bench", "peer_flax_wmt.py")
@@ -213,6 +239,19 @@ def test_packed_batches_are_well_formed():
   assert count_tokens(b) < 4 * (24 + 20)
 
 
+def test_packed_lm_batches_are_documents_behind_bos():
+  from benchmarks.common import Setup, count_tokens, random_batch
+  s = Setup(config=None, model=tiny_config(), head={}, batch_size=4, src_length=0,
+            tgt_length=24, task="lm")
+  b = random_batch(s, seed=1, packed=True)
+  segments, positions = b["segment_ids"], b["positions"]
+  assert ((segments == 0) == (b["targets"] == PAD_ID)).all() and segments.max(1).min() >= 2
+  assert (b["inputs"][(positions == 0) & (segments > 0)] == BOS_ID).all()
+  inner = positions > 0       # within a document: the input is the previous target
+  assert (b["inputs"][inner] == np.roll(b["targets"], 1, axis=1)[inner]).all()
+  assert count_tokens(b) == int((segments > 0).sum()) < 4 * 24
+
+
 @pytest.mark.parametrize("overrides", [dict(), dict(norm_position="pre", positional="learned",
                                                     activation="gelu")],
                          ids=["paper", "pre-ln-learned-gelu"])
@@ -236,6 +275,46 @@ def test_torch_reference_is_the_same_model(overrides):
     got = model.logits(torch.from_numpy(src).long(), torch.from_numpy(tgt).long()).numpy()
   valid = tgt != PAD_ID
   np.testing.assert_allclose(got[valid], expected[valid], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(norm_position="pre", positional="learned", activation="gelu", use_bias=True,
+         scale_embeddings=False),
+    dict(positional="sinusoidal", use_bias=False, tie_output=False, fused_qkv=True,
+         num_heads=4, layer_norm_epsilon=1e-5)],
+    ids=["gpt2", "post-ln-sinusoidal-untied-fused"])
+def test_torch_gpt_is_the_same_language_model(overrides):
+  """With our parameters copied in, the PyTorch GPT computes our language model's logits at
+  every real position of right-padded rows, with as many parameters."""
+  torch = pytest.importorskip("torch", reason="PyTorch is an optional benchmark dependency")
+  from benchmarks.torch_gpt import TorchGPT
+  from transformer_jax.modules.models import LanguageModel
+  cfg = tiny_config(num_encoder_layers=0, num_decoder_layers=2, **overrides)
+  tokens = np.random.default_rng(0).integers(4, cfg.vocab_size, (3, 9)).astype(np.int32)
+  tokens[1, 6:] = PAD_ID
+  lm = LanguageModel(cfg)
+  params = nn.meta.unbox(lm.init(jax.random.PRNGKey(0), tokens))["params"]
+  expected = np.asarray(lm.apply({"params": params}, tokens))
+  model = TorchGPT(cfg).eval()
+  assert sum(p.numel() for p in model.parameters()) == sum(
+      x.size for x in jax.tree_util.tree_leaves(params))
+  model.load_jax_params(params)
+  with torch.no_grad():
+    got = model.logits(torch.from_numpy(tokens).long()).numpy()
+  valid = tokens != PAD_ID
+  np.testing.assert_allclose(got[valid], expected[valid], atol=1e-4, rtol=1e-4)
+
+
+def test_compare_torch_refuses_what_the_torch_gpt_does_not_mirror():
+  """Rotary positions and RMSNorm (as gated FFNs and grouped-query attention): one line,
+  before any work."""
+  pytest.importorskip("torch", reason="PyTorch is an optional benchmark dependency")
+  for flag, field in (("--config.model.positional=rotary", "positional"),
+                      ("--config.model.norm_type=rms", "norm_type")):
+    out = _run("benchmarks.train_step", *TINY_LM, flag, "--compare=torch", check=False)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert len(lines) == 1 and f"model.{field}=" in lines[0], out.stderr[-3000:]
 
 
 def test_seeds_reads_each_runs_final_metrics_and_summarises_them(tmp_path):
