@@ -124,6 +124,10 @@ def check_mirrored(s: common.Setup) -> None:
   elif not (s.model.share_embeddings and s.model.tie_output):
     raise errors.UserError("--compare=torch supports shared, tied embeddings (the paper's): "
                            "set model.share_embeddings and model.tie_output")
+  elif not s.model.scale_embeddings or s.model.bos_is_eos:
+    raise errors.UserError("--compare=torch mirrors the paper's embeddings (scaled by "
+                           "sqrt(d_model), separate BOS and EOS): set model.scale_embeddings "
+                           "and unset model.bos_is_eos, or drop --compare")
 
 
 def _model(s: common.Setup) -> tuple[nn.Module, tuple[str, ...]]:
