@@ -64,25 +64,31 @@ def write_state_dict(path: str, state: dict[str, np.ndarray]) -> None:
     torch.save({k: torch.from_numpy(v) for k, v in state.items()}, path)
 
 
+# What an import gives: (config, params, run config, source tokenizer, target tokenizer).
+Imported = tuple[TransformerConfig, dict, dict, Any, Any]
+
+
 @dataclasses.dataclass
 class OurModel:
-  """A translation model of this project, as the converters take it."""
+  """A model of this project (a translation model or a language model), as the converters
+  take it."""
   path: str                 # the checkpoint or export it was read from
   config: TransformerConfig  # scan_layers=False, fused_qkv=False
   params: dict               # unrolled, separate-QKV numpy parameters
   record: checkpoint.ModelRecord   # its run config and tokenizers
 
 
-def load_ours(workdir: str | None, checkpoint_path: str | None, purpose: str) -> OurModel:
+def load_ours(workdir: str | None, checkpoint_path: str | None, purpose: str,
+              task: str = Seq2SeqTask.name) -> OurModel:
   """The model `predict` would use (--checkpoint, or the newest export or checkpoint of the
-  workdir) for `purpose` (e.g. "--to=hf_marian"); only translation models convert."""
+  workdir) for `purpose` (e.g. "--to=hf_marian"), which converts models of `task` only."""
   path, (record, params) = checkpoint.load_newest(
       workdir, lambda p: (checkpoint.read_record(p), checkpoint.restore_params(p)),
       checkpoint_path)
-  task = TrainOptions.from_dict(upgrade(record.config)).task
-  if task != Seq2SeqTask.name:
-    raise ConvertError(f"{path}: convert {purpose} converts translation models "
-                       f"(task={Seq2SeqTask.name!r}) only; this is a task={task!r} model")
+  saved_task = TrainOptions.from_dict(upgrade(record.config)).task
+  if saved_task != task:
+    raise ConvertError(f"{path}: convert {purpose} converts models of task={task!r} only; "
+                       f"this is a task={saved_task!r} model")
   cfg = TransformerConfig.from_dict(record.config["model"])
   params = jax.tree_util.tree_map(np.asarray, params)
   if cfg.scan_layers:

@@ -9,24 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable
+from typing import Callable
 
 from transformer_jax import checkpoint
 from transformer_jax import params as param_utils
-from transformer_jax.config import TransformerConfig
-from transformer_jax.convert import torch_transformer
+from transformer_jax.convert import gpt2, torch_transformer
 from transformer_jax.convert.files import (
+  Imported,
   OurModel,
   load_ours,
   read_state_dict,
   save_params_snapshot,
   write_state_dict,
 )
+from transformer_jax.convert.hf import local_or_hub
 from transformer_jax.convert.marian_files import import_marian, write_hf_marian
 from transformer_jax.convert.tensors import ConvertError
-
-# (config, params, run config, source tokenizer, target tokenizer)
-Imported = tuple[TransformerConfig, dict, dict, Any, Any]
+from transformer_jax.tasks import LanguageModelTask, Seq2SeqTask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,16 +37,24 @@ class Format:
   input_is_directory: bool    # --input: a directory, or one file
   output_is_directory: bool   # --output: likewise
   needs_like: bool = False    # the file alone does not say the architecture
+  task: str = Seq2SeqTask.name   # the task of the models it holds
+  hub_files: tuple[str, ...] = ()   # --input may name a Hub model instead: these files of it
 
 
-def _read_marian(input: str, allow_pickle: bool, like: str | None) -> Imported:
-  del like
-  return import_marian(input, allow_pickle)
+def _hf_directory(load: Callable[[str, bool], Imported]) -> Callable[..., Imported]:
+  """A reader of a save_pretrained directory (which needs no --like)."""
+  def read(input: str, allow_pickle: bool, like: str | None) -> Imported:
+    del like
+    return load(input, allow_pickle)
+  return read
 
 
-def _write_marian(model: OurModel, output: str) -> str:
-  note = write_hf_marian(model, output)
-  return f"wrote {output}" + (f"\n{note}" if note else "")
+def _with_notes(write: Callable[[OurModel, str], str]) -> Callable[[OurModel, str], str]:
+  """A writer of a save_pretrained directory, telling where, and its notes."""
+  def write_and_tell(model: OurModel, output: str) -> str:
+    note = write(model, output)
+    return f"wrote {output}" + (f"\n{note}" if note else "")
+  return write_and_tell
 
 
 def _read_torch(input: str, allow_pickle: bool, like: str | None) -> Imported:
@@ -71,8 +78,13 @@ def _write_torch(model: OurModel, output: str) -> str:
 
 FORMATS = {
     # Hugging Face MarianMT (OPUS-MT): a save_pretrained directory.
-    "hf_marian": Format(_read_marian, _write_marian, input_is_directory=True,
-                        output_is_directory=True),
+    "hf_marian": Format(_hf_directory(import_marian), _with_notes(write_hf_marian),
+                        input_is_directory=True, output_is_directory=True),
+    # Hugging Face GPT-2 (GPT2LMHeadModel and its tokenizer): a save_pretrained directory,
+    # or a model of the Hub ("gpt2") where it can be reached.
+    "hf_gpt2": Format(_hf_directory(gpt2.import_gpt2), _with_notes(gpt2.write_hf_gpt2),
+                      input_is_directory=True, output_is_directory=True,
+                      task=LanguageModelTask.name, hub_files=gpt2.HUB_FILES),
     # torch.nn.Transformer (benchmarks.torch_reference): a state_dict file.
     "torch": Format(_read_torch, _write_torch, input_is_directory=False,
                     output_is_directory=False, needs_like=True),
@@ -97,13 +109,18 @@ def run(*, from_: str | None = None, to: str | None = None, input: str | None = 
     if fmt.needs_like and not like:
       raise ConvertError(f"--from={from_} needs --like=MODEL (an export, checkpoint or "
                          "workdir with the model's config and tokenizer)")
+    snapshot = os.path.join(workdir, checkpoint.SNAPSHOT_DIR, name or from_)
+    if os.path.exists(snapshot):   # before a download
+      raise ConvertError(f"{os.path.abspath(snapshot)} already exists; remove it or use "
+                         "another --name")
+    if fmt.hub_files:
+      input = local_or_hub(input, fmt.hub_files)
     exists = os.path.isdir if fmt.input_is_directory else os.path.isfile
     if not exists(input):
       raise ConvertError(f"--input={input}: no such "
                          f"{'directory' if fmt.input_is_directory else 'file'}")
     _, params, run_config, source, target = fmt.read(input, allow_pickle, like)
-    path = save_params_snapshot(os.path.join(workdir, checkpoint.SNAPSHOT_DIR, name or from_),
-                                params, run_config, source, target)
+    path = save_params_snapshot(snapshot, params, run_config, source, target)
     return f"wrote {path} ({param_utils.count_params(params):,} parameters)"
   if not output:
     raise ConvertError(f"--to={to} needs --output")
@@ -111,4 +128,4 @@ def run(*, from_: str | None = None, to: str | None = None, input: str | None = 
     raise ConvertError(f"--output={output} exists and is not empty; choose another")
   if not fmt.output_is_directory and os.path.exists(output):
     raise ConvertError(f"--output={output} exists; choose another")
-  return fmt.write(load_ours(workdir, checkpoint_path, f"--to={to}"), output)
+  return fmt.write(load_ours(workdir, checkpoint_path, f"--to={to}", fmt.task), output)

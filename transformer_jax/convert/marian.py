@@ -24,6 +24,13 @@ import numpy as np
 
 from transformer_jax import trees
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TransformerConfig
+from transformer_jax.convert.hf import (
+  ACTIVATIONS,
+  activation_from_hf,
+  check_options,
+  mismatch,
+  special_piece,
+)
 from transformer_jax.convert.tensors import (
   ConvertError,
   check_shape,
@@ -41,10 +48,6 @@ PAD_LOGIT_BIAS = -30.0
 JAX_PAD_PIECE = "<jax_pad>"        # our PAD row's piece in an import's vocabulary
 MARKER = "transformer_jax"         # config.json key of what Marian's config cannot say
 MARIAN_EPSILON = 1e-5              # MarianMT's LayerNorms use torch's default epsilon
-# Ours -> Hugging Face activation names (flax's gelu is the tanh approximation: "gelu_new").
-ACTIVATIONS = {"relu": "relu", "gelu": "gelu_new", "swish": "swish", "silu": "silu"}
-FROM_HF_ACTIVATION = {"relu": "relu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
-                      "swish": "swish", "silu": "silu"}
 # Options of older Marian configs that the model class ignores but that would describe
 # another architecture if set; refused rather than silently dropped.
 _MUST_BE = {"normalize_before": False, "add_final_layer_norm": False,
@@ -57,20 +60,12 @@ EMBEDDING_KEYS = ("model.shared.weight", "model.encoder.embed_tokens.weight",
 
 
 # ------------------------------------------------------------------------- config
-def special_piece(tokenizer_config: dict, name: str, default: str) -> str:
-  value = tokenizer_config.get(name, default)
-  return value["content"] if isinstance(value, dict) else value   # AddedToken serialised
-
-
 def config_from_hf(hf: dict, source: str) -> TransformerConfig:
   """Our config for a Marian config.json; refuses, naming it, an option we lack."""
   marker = hf.get(MARKER, {})
   if hf.get("model_type") != "marian":
     raise ConvertError(f"{source}: model_type={hf.get('model_type')!r}; only 'marian' converts")
-  for option, value in _MUST_BE.items():
-    if option in hf and hf[option] != value:
-      raise ConvertError(f"{source}: {option}={hf[option]!r} is an option this project lacks "
-                         f"(only {option}={value!r} converts)")
+  check_options(hf, _MUST_BE, source)
   for ours, enc, dec in (("num_heads", "encoder_attention_heads", "decoder_attention_heads"),
                          ("d_ff", "encoder_ffn_dim", "decoder_ffn_dim")):
     if hf.get(enc) != hf.get(dec):
@@ -79,11 +74,7 @@ def config_from_hf(hf: dict, source: str) -> TransformerConfig:
   if hf.get("decoder_vocab_size") not in (None, hf.get("vocab_size")):
     raise ConvertError(f"{source}: decoder_vocab_size={hf['decoder_vocab_size']} differs from "
                        f"vocab_size={hf.get('vocab_size')}: separate vocabularies do not convert")
-  activation = hf.get("activation_function", "gelu")
-  if activation not in FROM_HF_ACTIVATION:
-    raise ConvertError(f"{source}: activation_function={activation!r} is an option this "
-                       f"project lacks (it has {sorted(FROM_HF_ACTIVATION)}; Hugging Face's "
-                       "'gelu' is exact, ours the tanh approximation)")
+  activation = activation_from_hf(hf.get("activation_function", "gelu"), source)
   try:
     return TransformerConfig(
         vocab_size=int(hf["vocab_size"]) + (0 if "pad_token_id" in marker else 1),
@@ -93,7 +84,7 @@ def config_from_hf(hf: dict, source: str) -> TransformerConfig:
         attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
         activation_dropout_rate=float(hf.get("activation_dropout", 0.0)),
         max_len=hf["max_position_embeddings"],
-        activation=marker.get("activation", FROM_HF_ACTIVATION[activation]),
+        activation=marker.get("activation", activation),
         sinusoidal_layout=marker.get("sinusoidal_layout", "halves"),
         final_logits_bias=marker.get("final_logits_bias", True),
         layer_norm_epsilon=marker.get("layer_norm_epsilon", MARIAN_EPSILON),
@@ -148,12 +139,11 @@ def tokenizer_config(cfg: TransformerConfig) -> dict:
 def incompatibility(cfg: TransformerConfig, tokenizer: Any, target_tokenizer: Any) -> str | None:
   """Why Marian cannot express this (translation) model, in one line naming the option;
   None if it can."""
-  checks = [("norm_position", "post"), ("positional", "sinusoidal"),
-            ("share_embeddings", True), ("tie_output", True), ("target_vocab_size", None)]
-  for field, value in checks:
-    if getattr(cfg, field) != value:
-      return (f"model.{field}={getattr(cfg, field)!r}: MarianMT only has "
-              f"{field}={value!r}")
+  problem = mismatch(cfg, [("norm_position", "post"), ("positional", "sinusoidal"),
+                           ("share_embeddings", True), ("tie_output", True),
+                           ("target_vocab_size", None)], "MarianMT")
+  if problem:
+    return problem
   if cfg.num_decoder_layers == 0:
     return "model.num_decoder_layers=0: MarianMT needs a decoder"
   for side in (tokenizer, target_tokenizer):

@@ -1,35 +1,28 @@
 """A MarianMT save_pretrained directory in and out (config.json, model.safetensors,
 generation_config.json, source.spm, target.spm, vocab.json, tokenizer_config.json), as
-`MarianMTModel` and `MarianTokenizer` read and write it. The names and ids are `marian`'s.
-
-No torch is needed to import from safetensors; `pytorch_model.bin` is unpickled only with
---allow_pickle, and then with `torch.load(weights_only=True)`.
+`MarianMTModel` and `MarianTokenizer` read and write it. The names and ids are `marian`'s;
+the weights files and JSON are read as for every Hugging Face format (`hf`).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import numpy as np
 
-from transformer_jax.config import BOS_ID, TransformerConfig
+from transformer_jax.config import BOS_ID
 from transformer_jax.convert import marian
-from transformer_jax.convert.files import OurModel, read_json, read_state_dict, write_json
+from transformer_jax.convert.files import Imported, OurModel, read_json, write_json
+from transformer_jax.convert.hf import need_file, optional_json, read_weights, write_weights
 from transformer_jax.convert.tensors import ConvertError
 from transformer_jax.data.tokenizer import MarianSentencePiece
 from transformer_jax.options import DecodeOptions
 from transformer_jax.renamed_fields import upgrade
 
-Imported = tuple[TransformerConfig, dict, dict, Any, Any]
-
 
 def _need(directory: str, name: str) -> str:
-  path = os.path.join(directory, name)
-  if not os.path.isfile(path):
-    raise ConvertError(f"{directory}: missing {name} (a MarianMT save_pretrained directory "
-                       "has config.json, model.safetensors, source.spm, target.spm, vocab.json)")
-  return path
+  return need_file(directory, name, "a MarianMT save_pretrained directory has config.json, "
+                   "model.safetensors, source.spm, target.spm, vocab.json")
 
 
 def import_marian(directory: str, allow_pickle: bool = False) -> Imported:
@@ -40,23 +33,17 @@ def import_marian(directory: str, allow_pickle: bool = False) -> Imported:
   hf = read_json(_need(directory, "config.json"))
   cfg = marian.config_from_hf(hf, os.path.join(directory, "config.json"))
   vocab = read_json(_need(directory, "vocab.json"))
-  tok_config_path = os.path.join(directory, "tokenizer_config.json")
-  tok_config = read_json(tok_config_path) if os.path.isfile(tok_config_path) else {}
+  tok_config = optional_json(directory, "tokenizer_config.json")
   if tok_config.get("separate_vocabs"):
-    raise ConvertError(f"{tok_config_path}: separate_vocabs=true does not convert (one "
-                       "vocabulary is shared by source and target here)")
+    raise ConvertError(f"{directory}/tokenizer_config.json: separate_vocabs=true does not "
+                       "convert (one vocabulary is shared by source and target here)")
   order, size = marian.id_order(hf, vocab, tok_config, directory)
   if len(vocab) != size or sorted(vocab.values()) != list(range(size)):
     raise ConvertError(f"{directory}/vocab.json: {len(vocab)} entries, but config.json has "
                        f"vocab_size={size} (ids must be 0..{size - 1}, each once)")
 
-  weights = os.path.join(directory, "model.safetensors")
-  if not os.path.isfile(weights):
-    weights = os.path.join(directory, "pytorch_model.bin")
-    if not os.path.isfile(weights):
-      raise ConvertError(f"{directory}: missing model.safetensors (or pytorch_model.bin)")
-  params = marian.state_to_params(read_state_dict(weights, allow_pickle), cfg, order, weights,
-                                  hf.get(marian.MARKER))
+  weights, state = read_weights(directory, allow_pickle)
+  params = marian.state_to_params(state, cfg, order, weights, hf.get(marian.MARKER))
   if "zero_decoder_start" not in hf.get(marian.MARKER, {}):
     # OPUS-MT's decoder start row (<pad>, our BOS) is zero, as Marian starts its decoders;
     # keeping it zero through fine-tuning keeps CTranslate2 translating as we do. A model
@@ -74,9 +61,7 @@ def import_marian(directory: str, allow_pickle: bool = False) -> Imported:
   with open(_need(directory, "target.spm"), "rb") as f:
     target = MarianSentencePiece(f.read(), pieces, append_eos=False)
 
-  generation = {}
-  if os.path.isfile(os.path.join(directory, "generation_config.json")):
-    generation = read_json(os.path.join(directory, "generation_config.json"))
+  generation = optional_json(directory, "generation_config.json")
   max_length = min(int(generation.get("max_length") or cfg.max_len), cfg.max_len)
   run_config = {"task": "seq2seq", "model": cfg.to_dict(),
                 "decode": {"beam_size": int(generation.get("num_beams") or 4), "alpha": 0.6,
@@ -97,11 +82,9 @@ def write_hf_marian(model: OurModel, output: str) -> str:
   problem = marian.incompatibility(cfg, tokenizer, target)
   if problem:
     raise ConvertError(f"{model.path}: cannot export to MarianMT: {problem}")
-  from safetensors.numpy import save_file
-
   os.makedirs(output, exist_ok=True)
   state, pad_row = marian.params_to_state(model.params, cfg)
-  save_file(state, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+  write_weights(output, state)
   beam_size = DecodeOptions.from_dict(upgrade(model.record.config).get("decode")).beam_size
   files = {"config.json": marian.hf_config(cfg, pad_row),
            "generation_config.json": marian.generation_config(cfg, beam_size),

@@ -17,7 +17,7 @@ import numpy as np
 from transformer_jax import trees
 from transformer_jax.config import TransformerConfig
 from transformer_jax.errors import UserError
-from transformer_jax.modules.models import Transformer
+from transformer_jax.modules.models import LanguageModel, Transformer
 
 
 class ConvertError(UserError):
@@ -101,15 +101,19 @@ def check_shape(key: str, value: np.ndarray, shape: tuple[int, ...], source: str
                        f"config implies {tuple(shape)} (mismatched shapes)")
 
 
-def abstract_params(cfg: TransformerConfig) -> Any:
-  """The model's parameters as boxed ShapeDtypeStructs (shapes and logical axis names)."""
+def abstract_params(cfg: TransformerConfig, decoder_only: bool = False) -> Any:
+  """The parameters of the Transformer (or with `decoder_only` the LanguageModel) as boxed
+  ShapeDtypeStructs (shapes and logical axis names)."""
   dummy = jnp.ones((1, 2), jnp.int32)
+  if decoder_only:
+    return jax.eval_shape(LanguageModel(cfg).init, jax.random.PRNGKey(0), dummy)["params"]
   return jax.eval_shape(Transformer(cfg).init, jax.random.PRNGKey(0), dummy, dummy)["params"]
 
 
-def expected_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: TransformerConfig,
+                    decoder_only: bool = False) -> dict[str, tuple[int, ...]]:
   """{our path: shape} of every parameter."""
-  unboxed = nn.meta.unbox(abstract_params(cfg))
+  unboxed = nn.meta.unbox(abstract_params(cfg, decoder_only))
   return {path: tuple(leaf.shape) for path, leaf in trees.flatten(unboxed).items()}
 
 

@@ -70,6 +70,10 @@ def _train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: DataOptio
                                    config.tokenizer_max_examples, seed):
       yield task.tokenizer_texts(record)
 
+  if name == "byte_bpe":
+    raise UserError("data.tokenizer='byte_bpe' is GPT-2's tokenizer, read from a pretrained "
+                    "model, not trained here: set init_from to an import of one (python -m "
+                    "transformer_jax.convert --from=hf_gpt2)")
   if name == "chars":
     return (CharVocab.build(s for s, _ in texts()),) * 2
   if name == "words":

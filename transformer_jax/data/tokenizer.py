@@ -1,6 +1,7 @@
 """Tokenizers: SentencePiece trained on the training text, and a word vocabulary for
-tagging (one id per word, so tags align to words). Both share the interface of the symbol
-vocabulary: encode, decode, vocab_size, save, load.
+tagging (one id per word, so tags align to words); GPT-2's byte-level BPE, read from a
+model, is in byte_bpe.py. All share the interface of the symbol vocabulary: encode,
+decode, vocab_size, save, load.
 
 Ids are fixed project-wide: PAD 0, BOS 1, EOS 2, UNK 3 (transformer_jax.config).
 A tokenizer is saved as `NAME.json` in the workdir (SentencePiece adds `NAME.model`, the
@@ -22,6 +23,7 @@ from typing import Any, Iterable, Sequence
 import sentencepiece as spm
 
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer_jax.data.byte_bpe import ByteLevelBPE
 from transformer_jax.data.vocab import SPECIALS, SymbolVocab
 from transformer_jax.errors import MissingFileError, UserError
 from transformer_jax.files import atomic_write, atomic_write_json
@@ -280,7 +282,7 @@ class MarianSentencePiece:
 
 
 _KINDS = {c.kind: c for c in (SymbolVocab, SentencePieceTokenizer, WordVocab, CharVocab,
-                              MarianSentencePiece)}
+                              MarianSentencePiece, ByteLevelBPE)}
 
 
 def load_tokenizer(path: str):

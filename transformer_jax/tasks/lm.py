@@ -70,7 +70,7 @@ class LanguageModelTask(Task):
   token_keys = {"inputs": "source"}
   counted_keys = ("targets",)
   metric_names = ("loss", "accuracy", "perplexity", "bits_per_character")
-  tokenizer_kinds = ("chars", "sentencepiece")
+  tokenizer_kinds = ("chars", "sentencepiece", "byte_bpe")   # byte_bpe: GPT-2's (init_from)
   serving_output = "continuation"
   long_inputs = "truncate"     # a prompt keeps its last tokens (see `truncate`)
   strict_utf8 = True           # a prompt that is not UTF-8 is refused, not guessed at

@@ -1,0 +1,375 @@
+"""Hugging Face GPT-2 conversion, checked against transformers itself and CTranslate2: a small
+random GPT2LMHeadModel with a byte-level BPE trained on Shakespeare (tests/gpt2_fixture.py),
+offline; the Hub's gpt2 only where the Hub can be reached."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+pytest.importorskip("safetensors")
+
+import jax  # noqa: E402
+from gpt2_fixture import END, ROOT, SHAKESPEARE, lines, write_gpt2_dir  # noqa: E402
+
+from transformer_jax import checkpoint, convert, sampling, trees  # noqa: E402
+from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig  # noqa: E402
+from transformer_jax.convert import gpt2  # noqa: E402
+from transformer_jax.modules.models import LanguageModel  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHAKESPEARE),
+                                reason="needs the text of ../shared/data/shakespeare")
+PROMPTS = ["ROMEO:", "To be, or not to be", "First Citizen:\nBefore we proceed any further",
+           "été à Paris 🙂 Ô"]
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory) -> str:
+  directory = str(tmp_path_factory.mktemp("gpt2"))
+  write_gpt2_dir(directory)
+  return directory
+
+
+@pytest.fixture(scope="module")
+def hf(gpt2_dir):
+  return (transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir).eval(),
+          transformers.AutoTokenizer.from_pretrained(gpt2_dir))
+
+
+@pytest.fixture(scope="module")
+def imported(gpt2_dir, tmp_path_factory) -> dict:
+  """The import through `convert.run`, read back from its parameter snapshot."""
+  workdir = str(tmp_path_factory.mktemp("imported"))
+  convert.run(from_="hf_gpt2", input=gpt2_dir, workdir=workdir)
+  export = os.path.join(workdir, "exports", "hf_gpt2")
+  record = checkpoint.read_record(export)
+  params = jax.tree_util.tree_map(np.asarray, checkpoint.restore_params(export))
+  return dict(workdir=workdir, export=export, params=params, tokenizer=record.assets.tokenizer,
+              cfg=TransformerConfig.from_dict(record.config["model"]))
+
+
+def _batch(tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+  """GPT-2's ids of <|endoftext|> + each text, right-padded (with <|endoftext|>), and the
+  attention mask."""
+  end = tokenizer.convert_tokens_to_ids(END)
+  rows = [[end] + tokenizer(t)["input_ids"] for t in texts]
+  width = max(map(len, rows))
+  ids = np.array([r + [end] * (width - len(r)) for r in rows])
+  mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+  return ids, mask
+
+
+def _ours(ids: np.ndarray, mask: np.ndarray, tokenizer) -> np.ndarray:
+  """Our model's rows for GPT-2's: BOS first (it reads <|endoftext|>'s row), PAD after."""
+  ours = np.where(mask == 1, tokenizer.to_ours(ids), PAD_ID).astype(np.int32)
+  ours[:, 0] = BOS_ID
+  return ours
+
+
+def _hf_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    return model(input_ids=torch.from_numpy(ids),
+                 attention_mask=torch.from_numpy(mask)).logits.numpy()
+
+
+def test_tokenizer_gives_gpt2_tokenizers_ids(gpt2_dir, hf, imported, tmp_path):
+  """Ours (tokenizer.json, or vocab.json + merges.txt) encodes as GPT2Tokenizer does, in our
+  ids, on 500 lines, non-ASCII and <|endoftext|> included; decoding gives the text back."""
+  _, theirs = hf
+  texts = lines("val", 500) + PROMPTS + [f"one{END}two", " leading space"]
+  copy = str(tmp_path / "no_tokenizer_json")
+  shutil.copytree(gpt2_dir, copy)
+  os.remove(os.path.join(copy, "tokenizer.json"))
+  from_files = gpt2.read_tokenizer(copy)
+  ours = imported["tokenizer"]
+  assert ours.vocab_size == len(theirs) + 3 == imported["cfg"].vocab_size
+  for text in texts:
+    expected = ours.to_ours(theirs(text)["input_ids"]).tolist()
+    assert ours.encode(text) == from_files.encode(text) == expected, text
+    assert ours.decode(expected) == text.replace(END, "")
+  assert ours.encode(END) == [EOS_ID]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_import_gives_transformers_logits(hf, imported, padded):
+  """Float32 logits on GPT-2's ids equal GPT2LMHeadModel's within 1e-4, on one row and on a
+  right-padded batch (HF with its attention mask, ours with PAD); PAD, BOS and UNK get no
+  probability, so log-probabilities equal too."""
+  model, tokenizer = hf
+  texts = lines("val", 4)[1:4] + PROMPTS[1:2] if padded else PROMPTS[2:3]
+  ids, mask = _batch(tokenizer, texts)
+  assert (mask == 0).any() == padded
+  theirs = _hf_logits(model, ids, mask)
+  m = imported
+  ours = np.asarray(LanguageModel(m["cfg"]).apply({"params": m["params"]},
+                                                  _ours(ids, mask, m["tokenizer"])))
+  columns = m["tokenizer"].to_ours(np.arange(theirs.shape[-1]))   # GPT-2's ids in ours
+  real = mask == 1
+  difference = np.abs(ours[real][:, columns] - theirs[real]).max()
+  log_ours = np.asarray(jax.nn.log_softmax(ours[real]))[:, columns]
+  log_theirs = np.asarray(jax.nn.log_softmax(theirs[real]))
+  print(f"\nlargest logit difference ({'padded' if padded else 'unpadded'}, "
+        f"{real.sum()} positions): {difference:.3g}; log-probabilities: "
+        f"{np.abs(log_ours - log_theirs).max():.3g}")
+  assert np.abs(theirs[real]).max() > 1.0                   # logits that say something
+  assert difference <= 1e-4
+  assert np.abs(log_ours - log_theirs).max() <= 1e-4
+
+
+def _greedy_hf(model, tokenizer, prompt_ids: list[int], count: int) -> list[int]:
+  """generate(do_sample=False) from <|endoftext|> + the prompt: the new ids, up to and with
+  <|endoftext|>."""
+  end = tokenizer.convert_tokens_to_ids(END)
+  with torch.no_grad():
+    out = model.generate(torch.tensor([[end] + prompt_ids]), do_sample=False,
+                         max_new_tokens=count, pad_token_id=end).numpy()[0]
+  new = out[len(prompt_ids) + 1:].tolist()
+  return new[:new.index(end) + 1] if end in new else new
+
+
+def _greedy_ours(imported, prompts: list[list[int]], count: int) -> list[list[int]]:
+  """sampling.generate at temperature 0 (predict's greedy path) in GPT-2's ids."""
+  m = imported
+  rows = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
+  for row, prompt in zip(rows, prompts):
+    row[:len(prompt)] = m["tokenizer"].to_ours(prompt)
+  out = np.asarray(sampling.generate(LanguageModel(m["cfg"]), m["params"], rows, count, 0.0,
+                                     0, 1.0, 0))
+  result = []
+  for row in out.tolist():
+    row = row[:row.index(EOS_ID) + 1] if EOS_ID in row else row
+    result.append(m["tokenizer"].to_theirs(row).tolist())
+  return result
+
+
+def test_greedy_generation_equals_generate(hf, imported):
+  """20 greedy tokens from each prompt (one padded batch here) equal generate(do_sample=
+  False) from the same ids, <|endoftext|> first, as our BOS reads it."""
+  model, tokenizer = hf
+  prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+  ours = _greedy_ours(imported, prompts, 20)
+  theirs = [_greedy_hf(model, tokenizer, p, 20) for p in prompts]
+  print(f"\ngreedy ids equal on {sum(a == b for a, b in zip(ours, theirs))} of {len(prompts)} "
+        f"prompts ({sum(map(len, theirs))} tokens)")
+  assert ours == theirs
+
+
+def _export(imported, tmp_path, workdir: str | None = None) -> str:
+  out = str(tmp_path / "hf_export")
+  assert convert.run(to="hf_gpt2", workdir=workdir or imported["workdir"],
+                     output=out).startswith("wrote")
+  return out
+
+
+def test_export_loads_in_transformers_with_the_same_logits(hf, imported, tmp_path):
+  """Import, export: GPT2LMHeadModel and AutoTokenizer load it, with the original's ids and
+  logits on a padded batch, and importing it again gives the same parameters."""
+  model, tokenizer = hf
+  out = _export(imported, tmp_path)
+  back = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+  tokenizer_back = transformers.AutoTokenizer.from_pretrained(out)
+  texts = lines("val", 5)[2:5] + PROMPTS
+  assert ([tokenizer_back(t)["input_ids"] for t in texts]
+          == [tokenizer(t)["input_ids"] for t in texts])
+  ids, mask = _batch(tokenizer, texts)
+  real = mask == 1
+  difference = np.abs(_hf_logits(back, ids, mask)[real] - _hf_logits(model, ids, mask)[real])
+  print(f"\nexport: largest logit difference from the original {difference.max():.3g}")
+  assert difference.max() <= 1e-4
+  _, params_back, _, _, _ = convert.import_gpt2(out)
+  flat, flat_back = trees.flatten(imported["params"]), trees.flatten(params_back)
+  assert sorted(flat) == sorted(flat_back)
+  for path in flat:
+    np.testing.assert_array_equal(flat[path], flat_back[path], err_msg=path)
+
+
+def test_ctranslate2_generates_the_exports_greedy_ids(hf, imported, tmp_path):
+  """ctranslate2's TransformersConverter reads the export, and its greedy generation equals
+  ours, id for id."""
+  ctranslate2 = pytest.importorskip("ctranslate2")
+  model, tokenizer = hf
+  out = _export(imported, tmp_path)
+  ctranslate2.converters.TransformersConverter(out).convert(str(tmp_path / "ct2"))
+  generator = ctranslate2.Generator(str(tmp_path / "ct2"), device="cpu", intra_threads=1)
+  prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+  starts = [tokenizer.convert_ids_to_tokens([tokenizer.convert_tokens_to_ids(END)] + p)
+            for p in prompts]
+  results = generator.generate_batch(starts, max_length=20, sampling_topk=1,
+                                     include_prompt_in_result=False)
+  ours = _greedy_ours(imported, prompts, 20)
+  end = tokenizer.convert_tokens_to_ids(END)
+  theirs = [r.sequences_ids[0] for r in results]
+  # CTranslate2 leaves the end token out of its result.
+  assert [row[:-1] if row and row[-1] == end else row for row in ours] == theirs
+
+
+def test_fine_tuning_the_import_on_shakespeare_then_export(imported, tmp_path):
+  """configs/shakespeare_gpt2.py with init_from the import trains on the Shakespeare files in
+  GPT-2's tokens; the export of the result loads in transformers and computes what our
+  fine-tuned model does."""
+  from configs import shakespeare_gpt2
+  from transformer_jax.predict import Predictor
+  from transformer_jax.training import loop
+  config = shakespeare_gpt2.get_config()
+  config.init_from = imported["export"]
+  config.data.dir = SHAKESPEARE
+  config.data.update(dict(max_length=32, eval_max_length=32))
+  config.update(dict(num_train_steps=3, log_every_steps=1, eval_every_steps=3,
+                     checkpoint_every_steps=3, batch_size=8))
+  config.model.max_len = 64
+  config.optimizer.learning_rate = 1e-3
+  config.eval.update(dict(batch_size=8, examples=8, num_samples=1))
+  config.decode.max_new_tokens = 4
+  workdir = str(tmp_path / "ft")
+  loop.train_and_evaluate(config, workdir)
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    losses = [json.loads(line)["train/loss"] for line in f if "train/loss" in line]
+  assert len(losses) == 3 and all(np.isfinite(losses))
+  out = _export(imported, tmp_path, workdir)
+  back = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+  tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+  ids, mask = _batch(tokenizer, PROMPTS)
+  tuned = Predictor(workdir)
+  ours = np.asarray(LanguageModel(tuned.model_config).apply(
+      {"params": tuned.params}, _ours(ids, mask, tuned.task.tokenizer)))
+  columns = tuned.task.tokenizer.to_ours(np.arange(len(tokenizer)))
+  real = mask == 1
+  assert np.abs(ours[real][:, columns] - _hf_logits(back, ids, mask)[real]).max() <= 1e-4
+  before = np.asarray(LanguageModel(imported["cfg"]).apply(
+      {"params": imported["params"]}, _ours(ids, mask, tuned.task.tokenizer)))
+  assert np.abs(before - ours)[real].max() > 1e-3                   # the step changed it
+
+
+def test_predict_and_the_served_artifact_continue_as_generate(hf, imported, tmp_path):
+  """predict on the import (greedy, as GPT-2's generation is by default) and its StableHLO
+  artifact write generate's continuation of each prompt, decoded by GPT2Tokenizer."""
+  from transformer_jax import predict
+  from transformer_jax.export import export_stablehlo
+  from transformer_jax.serving.line_policy import escape_line
+  from transformer_jax.serving.lines import Served
+  model, tokenizer = hf
+  count = imported["cfg"].max_len // 2                     # the import's max_new_tokens
+  prompts = [p.replace("\n", "\\n") for p in PROMPTS]
+  out = io.StringIO()
+  predict.predict(imported["workdir"], io.BytesIO("".join(p + "\n" for p in prompts).encode()),
+                  out, None, None, 8)
+  expected = [escape_line(tokenizer.decode(_greedy_hf(model, tokenizer,
+                                                      tokenizer(p)["input_ids"], count),
+                                           skip_special_tokens=True)) for p in PROMPTS]
+  assert out.getvalue().split("\n")[:-1] == expected        # (a random model writes \r too)
+  served = Served.load(export_stablehlo(imported["workdir"], None, str(tmp_path / "lm"), None,
+                                        None))
+  assert served.predict(prompts) == expected
+
+
+def test_export_refuses_what_gpt2_cannot_express(imported):
+  m = imported
+  for change, message in (({"positional": "rotary"}, "model.positional='rotary'"),
+                          ({"scale_embeddings": True}, "model.scale_embeddings=True"),
+                          ({"num_kv_heads": 2}, "model.num_kv_heads=2")):
+    assert message in gpt2.incompatibility(m["cfg"].replace(**change), m["tokenizer"])
+  from transformer_jax.data.tokenizer import CharVocab
+  assert "tokenizer kind 'chars'" in gpt2.incompatibility(m["cfg"], CharVocab(["a"]))
+  with pytest.raises(convert.ConvertError, match="task='seq2seq' only; this is a task='lm'"):
+    convert.run(to="hf_marian", workdir=m["workdir"], output=os.path.join(m["workdir"], "x"))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("no_config", "missing config.json"),
+    ("exact_gelu", "activation_function='gelu' is an option this project lacks"),
+    ("untied", "lm_head.weight differs from wte.weight"),
+    ("no_tokenizer", "missing vocab.json"),
+    ("vocab_size", "but the tokenizer has"),
+])
+def test_bad_input_is_one_line_naming_the_problem(gpt2_dir, tmp_path, damage, message):
+  broken = str(tmp_path / damage)
+  shutil.copytree(gpt2_dir, broken)
+  config_path = os.path.join(broken, "config.json")
+  with open(config_path) as f:
+    hf_config = json.load(f)
+  if damage == "no_config":
+    os.remove(config_path)
+  elif damage in ("exact_gelu", "vocab_size"):
+    hf_config.update(activation_function="gelu") if damage == "exact_gelu" else \
+        hf_config.update(vocab_size=hf_config["vocab_size"] + 1)
+  elif damage == "untied":
+    from safetensors.numpy import load_file, save_file
+    path = os.path.join(broken, "model.safetensors")
+    state = load_file(path)
+    state["lm_head.weight"] = state["transformer.wte.weight"] + 1.0
+    save_file(state, path)
+  else:
+    for name in ("tokenizer.json", "vocab.json"):
+      os.remove(os.path.join(broken, name))
+  if os.path.exists(config_path):
+    with open(config_path, "w") as f:
+      json.dump(hf_config, f)
+  with pytest.raises(convert.ConvertError, match=message.replace("(", r"\(")) as error:
+    convert.import_gpt2(broken)
+  assert "\n" not in str(error.value)
+
+
+def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "transformer_jax.convert", *args],
+                        capture_output=True, text=True, cwd=ROOT, timeout=600,
+                        env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", **env))
+
+
+def test_hub_name_where_the_hub_cannot_be_reached_is_one_line(tmp_path):
+  """--input=gpt2 with the Hub out of reach (offline mode, an empty cache): exit status 2
+  and one line saying so."""
+  result = _cli("--from=hf_gpt2", "--input=gpt2", f"--workdir={tmp_path / 'w'}",
+                HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+  assert result.returncode == 2, result.stderr
+  lines_ = result.stderr.strip().splitlines()
+  assert len(lines_) == 1 and lines_[0].startswith(
+      "error: --input=gpt2: no such directory, and the Hugging Face Hub cannot be reached"), \
+      result.stderr
+  assert not os.path.exists(tmp_path / "w" / "exports")
+
+
+def _hub_reachable() -> bool:
+  try:
+    socket.create_connection(("huggingface.co", 443), timeout=3).close()
+    return True
+  except OSError:
+    return False
+
+
+@pytest.mark.skipif(not _hub_reachable(), reason="the Hugging Face Hub cannot be reached")
+def test_the_hubs_gpt2_imports_with_transformers_logits_and_greedy_ids(tmp_path):
+  """The real GPT-2 (124M, downloaded): our logits on a sentence equal transformers' (within
+  1e-4 of the largest logit's size: GPT-2's are large) and 20 greedy tokens equal
+  generate's."""
+  workdir = str(tmp_path / "w")
+  result = _cli("--from=hf_gpt2", "--input=gpt2", f"--workdir={workdir}")
+  assert result.returncode == 0, result.stderr
+  from huggingface_hub import snapshot_download
+  directory = snapshot_download("gpt2", allow_patterns=list(gpt2.HUB_FILES))
+  model = transformers.GPT2LMHeadModel.from_pretrained(directory).eval()
+  tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+  export = os.path.join(workdir, "exports", "hf_gpt2")
+  m = dict(cfg=TransformerConfig.from_dict(checkpoint.read_record(export).config["model"]),
+           params=checkpoint.restore_params(export),
+           tokenizer=checkpoint.read_record(export).assets.tokenizer)
+  ids, mask = _batch(tokenizer, ["Hello, my dog is cute and"])
+  theirs = _hf_logits(model, ids, mask)[0]
+  ours = np.asarray(LanguageModel(m["cfg"]).apply({"params": m["params"]},
+                                                  _ours(ids, mask, m["tokenizer"])))[0]
+  difference = np.abs(ours[:, m["tokenizer"].to_ours(np.arange(theirs.shape[-1]))] - theirs)
+  print(f"\ngpt2: largest logit difference {difference.max():.3g} "
+        f"(logits up to {np.abs(theirs).max():.1f})")
+  assert difference.max() <= 1e-4 * max(1.0, np.abs(theirs).max())
+  prompt = tokenizer("Hello, my dog is cute and")["input_ids"]
+  assert _greedy_ours(m, [prompt], 20) == [_greedy_hf(model, tokenizer, prompt, 20)]
