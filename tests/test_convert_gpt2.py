@@ -302,6 +302,23 @@ def test_export_refuses_what_gpt2_cannot_express(imported):
     convert.run(to="hf_marian", workdir=m["workdir"], output=os.path.join(m["workdir"], "x"))
 
 
+def test_the_hubs_layout_imports_the_same(gpt2_dir, imported, tmp_path):
+  """The Hub's gpt2 files are GPT2Model's: no "transformer." prefix, no lm_head, and the
+  causal-mask buffers h.N.attn.bias. They import to the same parameters."""
+  from safetensors.numpy import load_file, save_file
+  hub = str(tmp_path / "hub_layout")
+  shutil.copytree(gpt2_dir, hub)
+  path = os.path.join(hub, "model.safetensors")
+  state = {k.removeprefix("transformer."): v for k, v in load_file(path).items()
+           if k != "lm_head.weight"}
+  for i in range(2):
+    state[f"h.{i}.attn.bias"] = np.tril(np.ones((1, 1, 64, 64), np.float32))
+  save_file(state, path)
+  _, params, _, _, _ = convert.import_gpt2(hub)
+  for path_, value in trees.flatten(imported["params"]).items():
+    np.testing.assert_array_equal(value, trees.flatten(params)[path_], err_msg=path_)
+
+
 @pytest.mark.parametrize("damage, message", [
     ("no_config", "missing config.json"),
     ("exact_gelu", "activation_function='gelu' is an option this project lacks"),
