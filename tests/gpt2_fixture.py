@@ -1,13 +1,15 @@
 """A small random GPT2LMHeadModel and its tokenizer files, written with save_pretrained,
 offline: a byte-level BPE trained here on Shakespeare and saved in GPT-2's format (vocab.json
 and merges.txt, <|endoftext|> last as in GPT-2), which GPT2Tokenizer loads. The source model
-of the GPT-2 tests."""
+of the GPT-2 tests, and the transformers side of their comparisons."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import os
+
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAKESPEARE = os.path.join(ROOT, "..", "shared", "data", "shakespeare")
@@ -64,3 +66,33 @@ def write_gpt2_dir(directory: str, n_positions: int = 64) -> None:
                                                                 "ln_f.weight"))
               else 0.3 * torch.randn_like(p))
   model.save_pretrained(directory)
+
+
+def hf_batch(tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+  """GPT-2's ids of <|endoftext|> + each text, right-padded (with <|endoftext|>), and the
+  attention mask."""
+  end = tokenizer.convert_tokens_to_ids(END)
+  rows = [[end] + tokenizer(t)["input_ids"] for t in texts]
+  width = max(map(len, rows))
+  ids = np.array([r + [end] * (width - len(r)) for r in rows])
+  mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+  return ids, mask
+
+
+def hf_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+  import torch
+  with torch.no_grad():
+    return model(input_ids=torch.from_numpy(ids),
+                 attention_mask=torch.from_numpy(mask)).logits.numpy()
+
+
+def hf_greedy(model, tokenizer, prompt_ids: list[int], count: int) -> list[int]:
+  """generate(do_sample=False) from <|endoftext|> + the prompt: the new ids, up to and with
+  <|endoftext|>."""
+  import torch
+  end = tokenizer.convert_tokens_to_ids(END)
+  with torch.no_grad():
+    out = model.generate(torch.tensor([[end] + prompt_ids]), do_sample=False,
+                         max_new_tokens=count, pad_token_id=end).numpy()[0]
+  new = out[len(prompt_ids) + 1:].tolist()
+  return new[:new.index(end) + 1] if end in new else new
