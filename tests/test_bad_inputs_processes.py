@@ -83,6 +83,7 @@ def test_a_checkpoint_write_failure_ends_the_run_with_one_line(tmp_path):
   errors_ = [line for line in process.stderr.splitlines() if line.startswith("error:")]
   assert len(errors_) == 1 and "cannot write checkpoint to" in errors_[0]
   assert "read-only file system" in errors_[0]
+  assert process.stderr.splitlines()[-1] == errors_[0]     # nothing after it
   assert "Traceback" not in process.stderr and "\r" not in process.stderr
   assert "2" in os.listdir(os.path.join(workdir, "checkpoints"))
   from transformer_jax.checkpoint import read_record
@@ -124,6 +125,7 @@ def test_a_full_disk_during_a_save_ends_the_run_with_one_line(small_disk):
   assert process.returncode == 2, process.stderr[-3000:]
   errors_ = [line for line in process.stderr.splitlines() if line.startswith("error:")]
   assert len(errors_) == 1 and "no space left on device" in errors_[0], process.stderr[-3000:]
+  assert process.stderr.splitlines()[-1] == errors_[0], process.stderr[-3000:]
   assert "Traceback" not in process.stderr and "Event loop is closed" not in process.stderr
   steps = [int(name) for name in os.listdir(os.path.join(workdir, "checkpoints"))
            if name.isdigit()]
@@ -175,7 +177,7 @@ def test_a_write_the_file_system_refuses_outside_a_checkpoint_is_one_line():
 
 
 def test_write_failures_are_recognised_in_every_form_orbax_gives():
-  from transformer_jax.checkpoint.manager import write_failure_reason
+  from transformer_jax.checkpoint.writing import write_failure_reason
   tensorstore = ValueError('RESOURCE_EXHAUSTED: Error writing "params.x/0" in OCDBT database '
                            "at local file \"/w/checkpoints/4.orbax-checkpoint-tmp/\": Failed to "
                            "write 562396 bytes to file 6: No space left on device "

@@ -18,12 +18,12 @@ A snapshot has params, config, tokenizer and manifest (with "averaged_steps"), s
 without the optimizer state and without the workdir. `manifest` checks a checkpoint against
 its manifest (structure before reading, fingerprints after); `manager` saves and resumes
 training checkpoints (plain pytrees: it knows nothing of the TrainState); `snapshots` writes
-snapshots and averages, and finds and loads the model of a workdir for inference.
+snapshots and averages, and finds and loads the model of a workdir for inference; `writing`
+says how a save failed and ends the rest of a failed save before the error is reported.
 """
 
 from transformer_jax.checkpoint.manager import (
                                                   DAMAGED_DIR,
-                                                  CheckpointWriteError,
                                                   Restored,
                                                   TrainCheckpoints,
                                                   check_writable,
@@ -50,6 +50,7 @@ from transformer_jax.checkpoint.snapshots import (
                                                   write_average,
                                                   write_snapshot,
 )
+from transformer_jax.checkpoint.writing import CheckpointWriteError
 
 __all__ = [
     "CHECKPOINT_DIR", "CheckpointWriteError", "DAMAGED_DIR", "SNAPSHOT_DIR",

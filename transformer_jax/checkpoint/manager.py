@@ -13,7 +13,9 @@ back to the newest good one.
 A directory that cannot be written (read-only, no permission, disk full) raises
 CheckpointWriteError, one line naming the directory and the reason: before training (a test
 write, `check_writable`), or from the save that fails. The checkpoints before it stay
-intact, and `close` then stops Orbax's threads without waiting on them, so the process ends.
+intact. Whatever ends a run, `close` ends Orbax's work first: it waits for the last save, and
+the rest of a save that failed is cancelled and waited for when the failure comes out
+(writing.Saves), so that no thread of Orbax's runs on after the run's one error line.
 """
 
 from __future__ import annotations
@@ -21,11 +23,8 @@ from __future__ import annotations
 import dataclasses
 import logging as std_logging
 import os
-import re
-import sys
-import threading
 import uuid
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Iterable, Sequence
 
 import jax
 import orbax.checkpoint as ocp
@@ -42,39 +41,13 @@ from transformer_jax.checkpoint.manifest import (
   verify,
 )
 from transformer_jax.checkpoint.snapshots import first_good
-from transformer_jax.errors import UserError, tracebacks_wanted
+from transformer_jax.checkpoint.writing import CheckpointWriteError, Saves, write_failure_reason
+from transformer_jax.errors import UserError
 
 # The array items of a training checkpoint; its JSON items are data, config, tokenizer and
 # manifest. Fixed, so that every checkpoint ever written restores.
 ARRAY_ITEMS = ("params", "train")
 DAMAGED_DIR = "damaged"
-_CLOSE_TIMEOUT_SECS = 30   # after a failed save, how long close() waits for Orbax's threads
-T = TypeVar("T")
-
-
-class CheckpointWriteError(UserError):
-  """The checkpoint directory cannot be written."""
-
-
-# TensorStore (under Orbax) reports a failed write as ValueError("RESOURCE_EXHAUSTED: ...
-# No space left on device [os_error_code='28']"), not as an OSError.
-_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)'?")
-
-
-def write_failure_reason(error: BaseException | None) -> str | None:
-  """Why a write failed, in a few lowercase words ("no space left on device"), if `error` or
-  an error that caused it is a file-system failure (an OSError, or Orbax/TensorStore's
-  message carrying the OS error code); None for anything else."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    if isinstance(error, OSError):
-      return (error.strerror or str(error)).lower()
-    code = _OS_ERROR_CODE.search(str(error))
-    if code:
-      return os.strerror(int(code.group(1))).lower()
-    seen.add(id(error))
-    error = error.__cause__ or error.__context__
-  return None
 
 
 def check_writable(directory: str) -> None:
@@ -114,42 +87,6 @@ def _check_items(arrays: dict[str, Any]) -> None:
                     f"{list(ARRAY_ITEMS)}, not {given} (see training.state.checkpoint_arrays)")
 
 
-class _WithoutSaveFailureTracebacks(std_logging.Filter):
-  """Orbax logs a failed background save from each of its threads (with tracebacks), and
-  asyncio then logs every future whose error nobody read; the failure is raised to the
-  trainer as one CheckpointWriteError instead. Only records that repeat a write failure are
-  dropped: Orbax's own save-thread messages, or a record whose error or text is one that
-  `write_failure_reason` recognises."""
-  _ORBAX_THREADS = ("background save thread", "Finalize thread")
-
-  def filter(self, record: std_logging.LogRecord) -> bool:
-    if tracebacks_wanted() or record.levelno < std_logging.ERROR:
-      return True
-    message = record.getMessage()
-    error = record.exc_info[1] if record.exc_info else None
-    repeats_failure = (any(m in message for m in self._ORBAX_THREADS)
-                       or write_failure_reason(error) is not None
-                       or _OS_ERROR_CODE.search(message) is not None)
-    return not repeats_failure
-
-
-def _quiet_closed_event_loops() -> None:
-  """After a failed save, TensorStore's callbacks into Orbax's closed event loops end in
-  RuntimeError("Event loop is closed"), which Python reports through sys.unraisablehook as
-  soon as the write fails: silenced, as they only repeat the failure that `save` reports."""
-  if getattr(sys.unraisablehook, "quiets_closed_loops", False):
-    return
-  previous = sys.unraisablehook
-
-  def unraisablehook(unraisable: Any) -> None:
-    closed_loop = (isinstance(unraisable.exc_value, RuntimeError)
-                   and str(unraisable.exc_value) == "Event loop is closed")
-    if tracebacks_wanted() or not closed_loop:
-      previous(unraisable)
-  unraisablehook.quiets_closed_loops = True  # type: ignore[attr-defined]
-  sys.unraisablehook = unraisablehook
-
-
 class _WithoutMissingMetricsWarning(std_logging.Filter):
   """Orbax warns at every save without metrics when it tracks the best checkpoint; here
   only evaluations have metrics, by design."""
@@ -159,7 +96,6 @@ class _WithoutMissingMetricsWarning(std_logging.Filter):
 
 
 _MISSING_METRICS_FILTER = _WithoutMissingMetricsWarning()
-_SAVE_FAILURE_FILTER = _WithoutSaveFailureTracebacks()
 
 
 class TrainCheckpoints:
@@ -176,39 +112,31 @@ class TrainCheckpoints:
                best_mode: str = "max"):
     self.directory = absolute(directory)
     self.run_config, self.tokenizer = run_config, tokenizer
-    self.failed = False
-    for logger in ("absl", "asyncio"):
-      std_logging.getLogger(logger).addFilter(_SAVE_FAILURE_FILTER)  # Added once.
-    _quiet_closed_event_loops()
+    self.saves = Saves(f"checkpoint to {self.directory}", "the checkpoints before it are intact")
+    self._closed = False
     self.best_metric = best_metric if keep_best else ""
     policies = ocp.checkpoint_managers
-    saves = [policies.FixedIntervalPolicy(n) for n in save_interval_steps]
-    saves += [policies.SpecificStepsPolicy([final_step])] if final_step else []
+    when = [policies.FixedIntervalPolicy(n) for n in save_interval_steps]
+    when += [policies.SpecificStepsPolicy([final_step])] if final_step else []
     keeps = [policies.LatestN(keep)]
     if self.best_metric:
       std_logging.getLogger("absl").addFilter(_MISSING_METRICS_FILTER)  # Added once.
       keeps.append(policies.BestN(get_metric_fn=self._best_value, reverse=best_mode == "min",
                                   n=keep_best, keep_checkpoints_without_metrics=False))
-    self.manager = self._writing(lambda: ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(
-            save_decision_policy=policies.AnySavePolicy(
-                saves + [policies.PreemptionCheckpointingPolicy()]),
-            preservation_policy=policies.AnyPreservationPolicy(keeps),
-            # Setting best_fn makes Orbax write each save's metrics, which BestN reads back.
-            best_fn=self._best_value if self.best_metric else None,
-            best_mode=best_mode, cleanup_tmp_directories=True, create=True)))
+    with self.saves.failing():
+      self.manager = ocp.CheckpointManager(
+          self.directory, options=ocp.CheckpointManagerOptions(
+              save_decision_policy=policies.AnySavePolicy(
+                  when + [policies.PreemptionCheckpointingPolicy()]),
+              preservation_policy=policies.AnyPreservationPolicy(keeps),
+              # Setting best_fn makes Orbax write each save's metrics, which BestN reads back.
+              best_fn=self._best_value if self.best_metric else None,
+              best_mode=best_mode, cleanup_tmp_directories=True, create=True))
 
-  def _writing(self, write: Callable[[], T]) -> T:
-    """write(), with a failure to write to the directory raised as CheckpointWriteError."""
-    try:
-      return write()
-    except Exception as e:
-      reason = write_failure_reason(e)
-      if reason is None:
-        raise
-      self.failed = True
-      raise CheckpointWriteError(f"cannot write checkpoint to {self.directory}: {reason} "
-                                 f"(the checkpoints before it are intact)") from e
+  @property
+  def failed(self) -> bool:
+    """Whether a save failed (its error was raised)."""
+    return self.saves.failed
 
   def _best_value(self, metrics: dict) -> float:
     return float(metrics[self.best_metric])
@@ -237,12 +165,12 @@ class TrainCheckpoints:
     manifest = {"step": step, "leaves": {k: describe(arrays[k]) for k in ARRAY_ITEMS}}
     items = {k: ocp.args.StandardSave(arrays[k]) for k in ARRAY_ITEMS}
     # Without the metrics it cannot rank: the step is saved all the same, then refused.
-    self._writing(lambda: self.manager.save(
-        step, force=True, metrics=None if unknown_metric else metrics,
-        args=ocp.args.Composite(**items, data=ocp.args.JsonSave(data_state),
-                                config=ocp.args.JsonSave(self.run_config),
-                                tokenizer=ocp.args.JsonSave(self.tokenizer),
-                                manifest=ocp.args.JsonSave(manifest))))
+    with self.saves.failing():
+      self.manager.save(step, force=True, metrics=None if unknown_metric else metrics,
+                        args=ocp.args.Composite(**items, data=ocp.args.JsonSave(data_state),
+                                                config=ocp.args.JsonSave(self.run_config),
+                                                tokenizer=ocp.args.JsonSave(self.tokenizer),
+                                                manifest=ocp.args.JsonSave(manifest)))
     if unknown_metric:
       self.wait()
       raise UserError(f"config.best_checkpoint_metric={self.best_metric!r} is not an "
@@ -299,22 +227,34 @@ class TrainCheckpoints:
 
   def wait(self) -> None:
     """Blocks until the last save is committed (on disk, renamed into place)."""
-    self._writing(self.manager.wait_until_finished)
+    with self.saves.failing():
+      self.manager.wait_until_finished()
 
-  def close(self) -> None:
-    """Waits for the last save, then stops Orbax's threads. After a failed save, closing
-    is bounded: Orbax's threads may wait forever on what never comes."""
-    if not self.failed:
-      self._writing(self.manager.close)
+  def close(self, raise_failure: bool = True) -> None:
+    """Ends Orbax's work, as every run does however it ends: waits for the last save, then
+    closes the manager (after a failed save, the rest of it was already cancelled). A failure
+    of that save is raised; with raise_failure=False (another error is ending the run, and
+    stays its one line) it is logged as a warning. Closing again does nothing."""
+    if self._closed:
       return
-    closer = threading.Thread(target=self._close_quietly, daemon=True)
-    closer.start()
-    closer.join(_CLOSE_TIMEOUT_SECS)
-    if closer.is_alive():
-      logging.warning("gave up waiting for the checkpoint threads to stop")
-
-  def _close_quietly(self) -> None:
+    self._closed = True
     try:
-      self.manager.close()
-    except Exception:  # Already reported: the save's own error is raised.
-      pass
+      if not self.failed:
+        self.wait()
+    except Exception as e:
+      if raise_failure:
+        raise
+      logging.warning("%s", e)
+    finally:
+      self._close_manager()
+
+  def _close_manager(self) -> None:
+    if not self.failed:
+      with self.saves.failing():
+        self.manager.close()
+    elif not self.saves.stuck:   # (else closing would wait for what never ends)
+      try:
+        self.manager.close()
+      except Exception as e:   # A repeat of the failure raised, or new: then said.
+        if write_failure_reason(e) is None:
+          logging.warning("closing the checkpoints after a failed save: %s", e)

@@ -34,6 +34,7 @@ from transformer_jax.checkpoint.manifest import (
   verify,
   without_fingerprints,
 )
+from transformer_jax.checkpoint.writing import Saves
 from transformer_jax.data.tokenizer import TextAssets, load_tokenizer_item
 from transformer_jax.errors import MissingFileError
 from transformer_jax.options import TrainOptions
@@ -186,13 +187,15 @@ def write_snapshot(output: str, params: Any, run_config: dict, tokenizer: dict,
   """A parameter snapshot at `output` (which must not exist): `params` (host arrays), the
   run config, the tokenizer item (data.tokenizer.tokenizer_item) and a manifest saying which
   training `steps` it comes from (their mean if several). Returns `output`. `alone`:
-  written by process 0 by itself (manifest.checkpointer)."""
+  written by process 0 by itself (manifest.checkpointer). A write the file system refuses
+  raises CheckpointWriteError once the rest of the save has ended (writing.Saves)."""
   output_path = absolute(output)
   if output_path.exists():
     raise FileExistsError(f"{output_path} already exists; choose another --output")
   manifest = {"step": steps[-1], "averaged_steps": list(steps),
               "leaves": {"params": describe(params)}}
-  with checkpointer(alone) as writer:
+  saves = Saves(f"parameter snapshot {output_path}", "the checkpoints are intact")
+  with checkpointer(alone) as writer, saves.failing():
     writer.save(output_path, args=ocp.args.Composite(
         params=ocp.args.StandardSave(params), config=ocp.args.JsonSave(run_config),
         tokenizer=ocp.args.JsonSave(tokenizer), manifest=ocp.args.JsonSave(manifest)))

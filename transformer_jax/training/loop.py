@@ -304,11 +304,14 @@ def _train(options: RunOptions, workdir: str, clock: RunClock) -> dict[str, floa
     with clock.measure("checkpoint"):
       checkpoints.wait()   # the last save committed (close() below then has nothing to wait)
     split = _write_time_split(clock, workdir, last_step)
+  except BaseException:
+    checkpoints.close(raise_failure=False)   # Orbax's work ends; this error stays the one line
+    raise
   finally:
     preemption.stop()
     batches.close()
     progress.close()
-    checkpoints.close()   # Waits for the last save to be committed.
+    checkpoints.close()   # Waits for the last save to be committed (if not closed above).
     writer.close()
 
   if jax.process_index() == 0:
