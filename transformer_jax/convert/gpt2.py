@@ -31,6 +31,7 @@ from transformer_jax.convert.hf import (
   mismatch,
   need_file,
   optional_json,
+  our_config,
   read_weights,
   special_piece,
   write_weights,
@@ -72,19 +73,13 @@ def config_from_hf(hf: dict, tokenizer: ByteLevelBPE, source: str) -> Transforme
     raise ConvertError(f"{source}: vocab_size={hf.get('vocab_size')}, but the tokenizer has "
                        f"{tokenizer.size} tokens")
   activation = activation_from_hf(hf.get("activation_function", "gelu_new"), source)
-  try:
-    return TransformerConfig(
-        vocab_size=tokenizer.vocab_size, d_model=hf["n_embd"], num_heads=hf["n_head"],
-        d_ff=hf.get("n_inner") or 4 * hf["n_embd"], num_encoder_layers=0,
-        num_decoder_layers=hf["n_layer"], max_len=hf["n_positions"],
-        dropout_rate=float(hf.get("resid_pdrop", 0.1)),
-        attention_dropout_rate=float(hf.get("attn_pdrop", 0.1)), activation=activation,
-        layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
-        **dict(_GPT2_SHAPE))
-  except KeyError as e:
-    raise ConvertError(f"{source}: missing {e.args[0]}") from None
-  except (UserError, ValueError) as e:
-    raise ConvertError(f"{source}: {e}") from None
+  return our_config(source, lambda: dict(
+      vocab_size=tokenizer.vocab_size, d_model=hf["n_embd"], num_heads=hf["n_head"],
+      d_ff=hf.get("n_inner") or 4 * hf["n_embd"], num_encoder_layers=0,
+      num_decoder_layers=hf["n_layer"], max_len=hf["n_positions"],
+      dropout_rate=float(hf.get("resid_pdrop", 0.1)),
+      attention_dropout_rate=float(hf.get("attn_pdrop", 0.1)), activation=activation,
+      layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)), **dict(_GPT2_SHAPE)))
 
 
 def hf_config(cfg: TransformerConfig, tokenizer: ByteLevelBPE) -> dict:

@@ -9,7 +9,7 @@ unpickled only with --allow_pickle, and then with `torch.load(weights_only=True)
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -31,6 +31,17 @@ def activation_from_hf(name: str, source: str) -> str:
                        f"lacks (it has {sorted(FROM_HF_ACTIVATION)}; Hugging Face's 'gelu' "
                        "is exact, ours the tanh approximation)")
   return FROM_HF_ACTIVATION[name]
+
+
+def our_config(source: str, fields: Callable[[], dict[str, Any]]) -> TransformerConfig:
+  """TransformerConfig(**fields()), where `fields` reads config.json (of `source`): a key it
+  lacks or a value TransformerConfig refuses ends in one line naming the file."""
+  try:
+    return TransformerConfig(**fields())
+  except KeyError as e:
+    raise ConvertError(f"{source}: missing {e.args[0]}") from None
+  except ValueError as e:   # TransformerConfig's UserError is one
+    raise ConvertError(f"{source}: {e}") from None
 
 
 def check_options(hf: dict, must_be: dict[str, Any], source: str) -> None:

@@ -29,6 +29,7 @@ from transformer_jax.convert.hf import (
   activation_from_hf,
   check_options,
   mismatch,
+  our_config,
   special_piece,
 )
 from transformer_jax.convert.tensors import (
@@ -75,24 +76,19 @@ def config_from_hf(hf: dict, source: str) -> TransformerConfig:
     raise ConvertError(f"{source}: decoder_vocab_size={hf['decoder_vocab_size']} differs from "
                        f"vocab_size={hf.get('vocab_size')}: separate vocabularies do not convert")
   activation = activation_from_hf(hf.get("activation_function", "gelu"), source)
-  try:
-    return TransformerConfig(
-        vocab_size=int(hf["vocab_size"]) + (0 if "pad_token_id" in marker else 1),
-        d_model=hf["d_model"], num_heads=hf["encoder_attention_heads"],
-        d_ff=hf["encoder_ffn_dim"], num_encoder_layers=hf["encoder_layers"],
-        num_decoder_layers=hf["decoder_layers"], dropout_rate=float(hf.get("dropout", 0.1)),
-        attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
-        activation_dropout_rate=float(hf.get("activation_dropout", 0.0)),
-        max_len=hf["max_position_embeddings"],
-        activation=marker.get("activation", activation),
-        sinusoidal_layout=marker.get("sinusoidal_layout", "halves"),
-        final_logits_bias=marker.get("final_logits_bias", True),
-        layer_norm_epsilon=marker.get("layer_norm_epsilon", MARIAN_EPSILON),
-        zero_decoder_start=bool(marker.get("zero_decoder_start", False)))
-  except KeyError as e:
-    raise ConvertError(f"{source}: missing {e.args[0]}") from None
-  except ValueError as e:
-    raise ConvertError(f"{source}: {e}") from None
+  return our_config(source, lambda: dict(
+      vocab_size=int(hf["vocab_size"]) + (0 if "pad_token_id" in marker else 1),
+      d_model=hf["d_model"], num_heads=hf["encoder_attention_heads"],
+      d_ff=hf["encoder_ffn_dim"], num_encoder_layers=hf["encoder_layers"],
+      num_decoder_layers=hf["decoder_layers"], dropout_rate=float(hf.get("dropout", 0.1)),
+      attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
+      activation_dropout_rate=float(hf.get("activation_dropout", 0.0)),
+      max_len=hf["max_position_embeddings"],
+      activation=marker.get("activation", activation),
+      sinusoidal_layout=marker.get("sinusoidal_layout", "halves"),
+      final_logits_bias=marker.get("final_logits_bias", True),
+      layer_norm_epsilon=marker.get("layer_norm_epsilon", MARIAN_EPSILON),
+      zero_decoder_start=bool(marker.get("zero_decoder_start", False))))
 
 
 def hf_config(cfg: TransformerConfig, pad_row: dict) -> dict:
