@@ -7,14 +7,18 @@ Every field can be overridden: `python train.py --config.num_train_steps=500`.
 import dataclasses
 
 import ml_collections
+from ml_collections import config_dict
 
 from transformer_jax.config import TransformerConfig
 
 
 def model_defaults() -> dict:
   """Every TransformerConfig field but the vocabulary sizes (those come from the data), at
-  its default, so that each one can be set from a config file or the command line."""
-  return {field.name: field.default for field in dataclasses.fields(TransformerConfig)
+  its default, so that each one can be set from a config file or the command line (a None
+  default as a typed placeholder: ml_collections refuses to override a plain None)."""
+  return {field.name: (config_dict.placeholder(int) if field.default is None
+                       else field.default)
+          for field in dataclasses.fields(TransformerConfig)
           if field.name not in ("vocab_size", "target_vocab_size")}
 
 

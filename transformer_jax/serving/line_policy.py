@@ -54,7 +54,8 @@ _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 # (Windows-1252 dashes read as Latin-1), and its tokenizer learns them as pieces.
 _SPACES = re.compile("[\x00-\x1f\x7f\u2028\u2029]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_ESCAPED = re.compile(r"\\(\\|n)")
+_ESCAPED = re.compile(r"\\(\\|n|r)")
+_UNESCAPED = {"n": "\n", "r": "\r", "\\": "\\"}
 
 
 def kept_tokens(x: np.ndarray, length: int, keep: str) -> np.ndarray:
@@ -74,13 +75,14 @@ def kept_words(keep: str, length: int) -> str:
 
 
 def escape_line(text: str) -> str:
-  """A text as one output line: a backslash as `\\\\`, a newline as `\\n`."""
-  return text.replace("\\", "\\\\").replace("\n", "\\n")
+  """A text as one output line: a backslash as `\\\\`, a newline as `\\n`, a carriage
+  return as `\\r` (a reader that splits lines on it too keeps the line whole)."""
+  return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
 
 
 def unescape_line(line: str) -> str:
-  """`escape_line` undone: `\\n` a newline, `\\\\` a backslash (other text as it is)."""
-  return _ESCAPED.sub(lambda m: "\n" if m.group(1) == "n" else "\\", line)
+  """`escape_line` undone: `\\n`, `\\r` and `\\\\` (other text as it is)."""
+  return _ESCAPED.sub(lambda m: _UNESCAPED[m.group(1)], line)
 
 
 def clean_text(text: str) -> str:
