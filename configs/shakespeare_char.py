@@ -17,32 +17,38 @@ from configs import default
 def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.task = "lm"
-  config.num_train_steps = 2000
+  # 30 minutes of a 2-core CPU alone: 5,600 steps of 16 x 128 characters (11.5M, 2.5 passes
+  # over the training text) at about 7,200 characters/s.
+  config.num_train_steps = 5600
   config.log_every_steps = 100
-  config.eval_every_steps = 500
-  config.checkpoint_every_steps = 500
+  config.eval_every_steps = 800
+  config.checkpoint_every_steps = 800
   config.keep_checkpoints = 2
-  config.batch_size = 12
+  config.batch_size = 16
   config.label_smoothing = 0.0
   config.best_checkpoint_metric = "eval/loss"
   config.best_checkpoint_mode = "min"
 
   config.data = default.text_data(
       dir="../shared/data/shakespeare", eval_split="val", tokenizer="chars",
-      layout="stream", max_length=64, eval_max_length=64)
+      layout="stream", max_length=128, eval_max_length=128)
 
-  # nanoGPT's CPU shape for Shakespeare (4 layers, 4 heads, 128 wide, block 64) in its
-  # architecture: pre-LN, learned positions, GELU, no biases, tied embeddings.
+  # Pre-LN, no biases, tied embeddings (nanoGPT's), with rotary positions, RMSNorm and a
+  # SwiGLU feed-forward: on a 4-layer, 128-wide model at 1,000 steps, rotary positions gave
+  # val loss 1.738 against 2.032 with learned ones, SwiGLU (equal parameters) 1.971, all
+  # three 1.682; RMSNorm alone 2.038 and 2 key/value heads of 4 2.065 (benchmarks/RESULTS.md).
   config.model.update(dict(
-      d_model=128, num_heads=4, d_ff=512, num_encoder_layers=0, num_decoder_layers=4,
-      dropout_rate=0.0, attention_dropout_rate=0.0, max_len=64, norm_position="pre",
-      positional="learned", activation="gelu", use_bias=False, attention_impl="auto",
-      layer_norm_epsilon=1e-5))
+      d_model=192, num_heads=6, d_ff=512, num_encoder_layers=0, num_decoder_layers=6,
+      dropout_rate=0.0, attention_dropout_rate=0.0, max_len=128, norm_position="pre",
+      positional="rotary", norm_type="rms", gated_ffn=True, activation="silu",
+      use_bias=False, attention_impl="auto", layer_norm_epsilon=1e-5))
 
+  # nanoGPT's optimizer for Shakespeare: AdamW, beta2 0.99, weight decay 0.1 on matrices,
+  # 100 warm-up steps, cosine from 1e-3 to 1e-4, clipping at 1.0.
   config.optimizer.update(dict(
       name="adamw", b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1, decay_matrices_only=True,
       schedule="warmup_cosine", learning_rate=1e-3, end_learning_rate=1e-4,
       warmup_steps=100, clip_grad_norm=1.0))
-  config.decode.update(dict(max_new_tokens=32, temperature=0.8, top_k=0, top_p=1.0))
-  config.eval.update(dict(batch_size=256, examples=0, num_samples=2))
+  config.decode.update(dict(max_new_tokens=64, temperature=0.8, top_k=0, top_p=1.0))
+  config.eval.update(dict(batch_size=128, examples=0, num_samples=2))
   return config
