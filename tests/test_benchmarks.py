@@ -22,9 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config=configs/default.py", "--config.model.d_model=32", "--config.model.d_ff=64",
         "--config.model.num_heads=2", "--config.model.num_encoder_layers=1",
         "--config.model.num_decoder_layers=2", "--batch_size=3", "--warmup=1", "--steps=2"]
-# The character-level language model at the same size (its vocabulary given: a character
-# vocabulary is known only after reading the text).
-TINY_LM = ["--config=configs/shakespeare_char.py", "--config.model.d_model=32",
+# The character-level language model (nanoGPT's recipe: GPT-2's architecture) at the same
+# size (its vocabulary given: a character vocabulary is known only after reading the text).
+TINY_LM = ["--config=benchmarks/configs/shakespeare_char_nanogpt.py", "--config.model.d_model=32",
            "--config.model.d_ff=64", "--config.model.num_heads=2",
            "--config.model.num_decoder_layers=2", "--vocab_size=40", "--length=16",
            "--batch_size=3", "--warmup=1", "--steps=2"]
