@@ -35,6 +35,7 @@ def define_flags() -> None:
 def our_curve(workdir: str, metric: str) -> list[tuple[float, float]]:
   """(seconds since the run's start, metric) at each evaluation."""
   from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+  from tensorboard.util import tensor_util
   files = sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*")))
   if not files:
     raise errors.MissingFileError(f"{workdir}: no TensorBoard events in {workdir}/tensorboard")
@@ -42,8 +43,10 @@ def our_curve(workdir: str, metric: str) -> list[tuple[float, float]]:
   for event in EventFileLoader(files[0]).Load():
     start = event.wall_time if start is None else start
     for value in event.summary.value:
-      if value.tag == metric:
-        points.append((event.wall_time - start, value.simple_value))
+      if value.tag == metric:   # the loader migrates simple values into tensors
+        number = (value.simple_value if value.WhichOneof("value") == "simple_value"
+                  else float(tensor_util.make_ndarray(value.tensor)))
+        points.append((event.wall_time - start, number))
   return points
 
 
