@@ -32,11 +32,11 @@ _BANNED = (PAD_ID, BOS_ID, UNK_ID)
 
 
 def filtered_logits(logits: Array, temperature: Array, top_k: Array, top_p: Array) -> Array:
-  """(B, V) float32 logits / temperature, with every token outside the `top_k` most likely
+  """(B, V) float32 logits (the absent ids already -inf) / temperature, with every token outside the `top_k` most likely
   (0: no cut) and outside the smallest set whose probability reaches `top_p` set to -inf.
   The cuts are thresholds on the sorted logits, so k and p are values, not shapes: one
   compiled program serves every setting."""
-  logits = logits.at[:, jnp.array(_BANNED)].set(-jnp.inf) / temperature
+  logits = logits / temperature
   ordered = jnp.sort(logits, axis=-1)[:, ::-1]                                  # descending
   vocab = logits.shape[-1]
   kth = jnp.take(ordered, jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab) - 1, axis=-1)
@@ -51,7 +51,8 @@ def filtered_logits(logits: Array, temperature: Array, top_k: Array, top_p: Arra
 def _draw(logits: Array, keys: Array, position: Array, temperature: Array, top_k: Array,
           top_p: Array) -> Array:
   """(B, V) logits -> (B,) tokens: the argmax at temperature 0, else a draw per row."""
-  greedy = jnp.argmax(logits.at[:, jnp.array(_BANNED)].set(-jnp.inf), -1)
+  logits = logits.at[:, jnp.array(_BANNED)].set(-jnp.inf)
+  greedy = jnp.argmax(logits, -1)
   safe_temperature = jnp.where(temperature > 0, temperature, 1.0)
   cut = filtered_logits(logits, safe_temperature, top_k, top_p)
   step_keys = jax.vmap(lambda key: jax.random.fold_in(key, position))(keys)

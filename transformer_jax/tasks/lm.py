@@ -19,6 +19,7 @@ tokens after BOS: the model sees max_len tokens, the continuation's among them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any, Callable, Mapping, Sequence
@@ -208,9 +209,8 @@ class LanguageModelTask(Task):
     rows = [(row[:min(prompt_tokens, int((row != PAD_ID).sum()))], r) for row, r in rows[:count]]
     if not rows:
       return []
-    decode = DecodeOptions(**{**decode.__dict__,
-                              "max_new_tokens": min(decode.max_new_tokens,
-                                                    self.model_config.max_len // 2)})
+    decode = dataclasses.replace(
+        decode, max_new_tokens=min(decode.max_new_tokens, self.model_config.max_len // 2))
     outputs = self.continue_prompts(params, [p[1:] for p, _ in rows], decode)
     samples = []
     for (prompt, record), output in zip(rows, outputs):
