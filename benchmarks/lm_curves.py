@@ -2,7 +2,7 @@
 nanoGPT's (its train.py's log, run with --log_interval=1), in one plot.
 
   python -m benchmarks.lm_curves --ours=W1,W2 --nanogpt=LOG1,LOG2 \
-      --labels="ours,nanoGPT ..." --output=docs/shakespeare_val_loss.png
+      --labels="ours,nanoGPT ..." --output=docs/shakespeare_val_loss.png [--y_max=1.8]
 
 Our time axis: seconds since the run's event file was opened (the run's start, compiling
 included). nanoGPT's: the sum of its logged iteration times (each iteration's wall time,
@@ -30,6 +30,8 @@ def define_flags() -> None:
   flags.DEFINE_list("labels", [], "One label per run, ours first.")
   flags.DEFINE_string("output", None, "The PNG to write.", required=True)
   flags.DEFINE_string("metric", "eval/loss", "Our metric to plot.")
+  flags.DEFINE_float("y_max", None, "Top of the loss axis (default: the largest loss), so "
+                     "that the first evaluations do not flatten the rest.")
 
 
 def our_curve(workdir: str, metric: str) -> list[tuple[float, float]]:
@@ -82,6 +84,8 @@ def main(argv: list[str]) -> None:
               label=label)
   axes.set_xlabel("wall time (minutes)")
   axes.set_ylabel("validation loss (nats per character)")
+  if FLAGS.y_max is not None:
+    axes.set_ylim(top=FLAGS.y_max)
   axes.grid(alpha=0.3)
   axes.legend()
   figure.tight_layout()

@@ -48,6 +48,9 @@ def get_config() -> ml_collections.ConfigDict:
       use_bias=True, tie_output=True, scale_embeddings=False, layer_norm_epsilon=1e-5,
       dropout_rate=0.0, attention_dropout_rate=0.0, activation_dropout_rate=0.0,
       dtype="bfloat16", attention_impl="auto"))
+  # The output layer and its loss over this many slices of the positions, so that the
+  # (rows x 1,024 x 50,257) float32 logits are never held whole (1: one pass).
+  config.model.loss_tiles = 1
 
   config.optimizer.update(dict(
       name="adamw", b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, decay_matrices_only=True,

@@ -18,6 +18,7 @@ from conftest import assert_close
 from transformer_jax import LanguageModel, TransformerConfig
 from transformer_jax.config import BOS_ID, PAD_ID
 from transformer_jax.data.tokenizer import CharVocab
+from transformer_jax.errors import UserError
 from transformer_jax.inputs import InputError
 from transformer_jax.modules.embedding import rotary
 from transformer_jax.options import DecodeOptions
@@ -186,6 +187,33 @@ def test_stream_windows_predict_every_token_once_and_bits_per_character():
                              DecodeOptions(max_new_tokens=4, temperature=0.0))
   assert math.isclose(metrics["bits_per_character"], metrics["loss"] / math.log(2),
                       rel_tol=1e-5)
+
+
+def test_loss_over_tiles_equals_one_pass_with_its_gradients():
+  """model.loss_tiles for the lm task: the output layer a slice of positions at a time gives
+  the task's loss sums and parameter gradients of one pass (padding skipped); a tile count
+  that is not a positive integer is one line naming the field."""
+  cfg = lm_config(**MODERN)
+  tokens = _tokens(3, 2, 12)
+  targets = np.concatenate([tokens[:, 1:], np.full((2, 1), PAD_ID, np.int32)], axis=1)
+  targets[1, 7:] = PAD_ID
+  batch = {"inputs": tokens, "targets": targets,
+           "positions": np.broadcast_to(np.arange(12, dtype=np.int32), (2, 12)),
+           "segment_ids": (targets != PAD_ID).astype(np.int32) | 1}
+  params, rng = _params(cfg), jax.random.key(1)   # no dropout: the key is unused
+  tasks = [LanguageModelTask(cfg, tokenizer=CharVocab(list("abc")), label_smoothing=0.1,
+                             head={"loss_tiles": tiles}) for tiles in (1, 4)]
+  sums = [t.loss_sums(params, batch, rng, train=True) for t in tasks]
+  for key in ("loss", "nll", "correct", "weight"):
+    assert_close(sums[1][key], sums[0][key], rtol=1e-5)
+  assert float(sums[0]["weight"]) == 11 + 7
+  grads = [jax.grad(lambda p, t=t: t.loss_sums(p, batch, rng, train=True)["loss"])(params)
+           for t in tasks]
+  for whole, tiled in zip(*(jax.tree_util.tree_leaves(g) for g in grads)):
+    assert_close(tiled, whole, rtol=1e-4, atol=1e-6)
+  for bad in (0, 1.5, True):
+    with pytest.raises(UserError, match=f"model.loss_tiles={bad!r}: must be an integer"):
+      LanguageModelTask(cfg, tokenizer=CharVocab(list("abc")), head={"loss_tiles": bad})
 
 
 def test_prompt_lines_escape_newlines_and_backslashes():

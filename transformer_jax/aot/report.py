@@ -49,7 +49,8 @@ KERNELS_UNPRICED = ("calls fused kernels ({kernels}) whose work XLA's cost model
 class CompileReport:
   """Per chip. Memory is XLA's static plan (donated buffers counted once); `estimated_*`
   are XLA's cost-model estimates (None where it gives none); `roofline_*` our bound: the
-  compiled FLOPs at peak or its bytes at HBM bandwidth, whichever is slower."""
+  compiled FLOPs at peak, its bytes at HBM bandwidth or the model's FLOPs at peak, whichever
+  is slowest."""
   compile_s: float
   argument_bytes: int
   temp_bytes: int
@@ -183,7 +184,10 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
     flops, bytes_accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
     # Not XLA's estimate: the compiled program's FLOPs at peak or its bytes at HBM bandwidth,
     # whichever takes longer; a lower bound on the step time that every generation gets.
-    roofline = max(flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth) or None
+    # Its cost counts a loop body (scanned layers, micro-batches) once, so the model's own
+    # FLOPs at peak bound it too: the roofline MFU never passes 100%.
+    roofline = max(flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth,
+                   (program.model_flops or 0) / chips / chip.peak_flops) or None
   else:
     # No cost analysis (XLA's GPU compiler gives none), or one blind to the kernels: the
     # bound from what must happen at least once per call, the model's FLOPs at peak, or
@@ -267,7 +271,8 @@ def format_report(header: str, results: dict[str, CompileReport],
       moved = ", ".join(f"{kind} {size / 2**20:.1f}" for kind, size in collectives.items())
       lines.append(f"{n}: collectives per chip and call (MiB of results, by element type): {moved}")
   lines.append(f"note: {note} ('-': XLA gave no estimate for this chip); roofline: "
-               "the compiled FLOPs at peak or bytes at HBM bandwidth, whichever is slower "
+               "the compiled FLOPs at peak, bytes at HBM bandwidth or model FLOPs at peak, "
+               "whichever is slowest "
                "(our bound, not XLA's; another basis is named below); model FLOPs: "
                "transformer_jax/flops.py; tokens: source + target array tokens (a language "
                "model's: its sequence's; padding included).")

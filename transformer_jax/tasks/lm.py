@@ -48,7 +48,7 @@ from transformer_jax.tasks.base import (
   padded_getter,
   teacher_forced_sums,
 )
-from transformer_jax.tasks.losses import cross_entropy_sums
+from transformer_jax.tasks.losses import LOSS_TILES, check_loss_tiles, token_loss_sums
 
 _PIECES = re.compile(r"(?<=\n\n)(?=[^\n])")   # cut after a blank line, before the next text
 
@@ -75,6 +75,11 @@ class LanguageModelTask(Task):
   serving_output = "continuation"
   long_inputs = "truncate"     # a prompt keeps its last tokens (see `truncate`)
   strict_utf8 = True           # a prompt that is not UTF-8 is refused, not guessed at
+  head_options = LOSS_TILES
+
+  @classmethod
+  def check_head(cls, head: Mapping[str, Any], tokenizer_kind: str | None) -> None:
+    check_loss_tiles(head)
 
   # ---------------------------------------------------------------------- data
   @classmethod
@@ -151,16 +156,20 @@ class LanguageModelTask(Task):
   def build_model(self, model_config: TransformerConfig) -> LanguageModel:
     return LanguageModel(model_config)
 
-  def logits(self, params: Any, batch: Batch, rng: jax.Array | None, train: bool) -> jax.Array:
+  def logits(self, params: Any, batch: Batch, rng: jax.Array | None, train: bool,
+             return_hidden: bool = False) -> jax.Array:
     rngs = {"dropout": rng} if train else {}
     return self.model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
-                            segment_ids=batch["segment_ids"], train=train, rngs=rngs)
+                            segment_ids=batch["segment_ids"], train=train, rngs=rngs,
+                            return_hidden=return_hidden)
 
   def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
                 train: bool) -> dict[str, jax.Array]:
-    smoothing = self.label_smoothing if train else 0.0
-    return cross_entropy_sums(self.logits(params, batch, rng, train), batch["targets"],
-                              smoothing)
+    project = lambda h: self.model.apply({"params": params}, h, train=train,
+                                         method=LanguageModel.output_logits)
+    return token_loss_sums(
+        lambda hidden: self.logits(params, batch, rng, train, return_hidden=hidden), project,
+        batch["targets"], self.label_smoothing if train else 0.0, self.head["loss_tiles"])
 
   # ---------------------------------------------------------------- generation
   def continue_prompts(self, params: Any, prompts: Sequence[np.ndarray],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,31 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, smoothing: float =
   correct = (target_logit >= top).astype(jnp.float32)
   return {"loss": (loss * weights).sum(), "nll": (nll * weights).sum(),
           "correct": (correct * weights).sum(), "weight": weights.sum()}
+
+
+# model.loss_tiles (a head option of the tasks that predict tokens): the output layer and its
+# loss run over this many slices of the target positions, so the (tokens, vocabulary)
+# logits are never held whole (1: one pass).
+LOSS_TILES = {"loss_tiles": 1}
+
+
+def check_loss_tiles(head: dict[str, Any] | Any) -> None:
+  """Raises UserError unless the head's `loss_tiles` is an integer >= 1."""
+  tiles = head["loss_tiles"]
+  if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1:
+    raise UserError(f"model.loss_tiles={tiles!r}: must be an integer >= 1 (1: the whole "
+                    "output layer at once)")
+
+
+def token_loss_sums(model_output: Callable[[bool], jax.Array],
+                    project: Callable[[jax.Array], jax.Array], targets: jax.Array,
+                    smoothing: float, tiles: int) -> dict[str, jax.Array]:
+  """`cross_entropy_sums` of a model that predicts tokens: `model_output(False)` its logits,
+  `model_output(True)` its final hidden states, which `project` maps to logits a slice at a
+  time when `tiles` > 1 (`tiled_cross_entropy_sums`)."""
+  if tiles == 1:
+    return cross_entropy_sums(model_output(False), targets, smoothing)
+  return tiled_cross_entropy_sums(project, model_output(True), targets, smoothing, tiles)
 
 
 def tiled_cross_entropy_sums(project: Callable[[jax.Array], jax.Array], hidden: jax.Array,

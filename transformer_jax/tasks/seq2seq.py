@@ -17,7 +17,6 @@ import numpy as np
 from transformer_jax import decoding
 from transformer_jax.config import BOS_ID, EOS_ID, TransformerConfig
 from transformer_jax.data import readers
-from transformer_jax.errors import UserError
 from transformer_jax.metrics import corpus_bleu, exact_match
 from transformer_jax.modules.models import Transformer
 from transformer_jax.options import DataOptions, DecodeOptions
@@ -33,7 +32,7 @@ from transformer_jax.tasks.base import (
   padded_getter,
   teacher_forced_sums,
 )
-from transformer_jax.tasks.losses import cross_entropy_sums, tiled_cross_entropy_sums
+from transformer_jax.tasks.losses import LOSS_TILES, check_loss_tiles, token_loss_sums
 
 
 class Seq2SeqTask(Task):
@@ -49,16 +48,11 @@ class Seq2SeqTask(Task):
   can_split = False   # a source and its target cannot be cut at the same tokens
   serving_output = "token_ids"
   _OPTIONAL = ("src_positions", "tgt_positions", "src_segment_ids", "tgt_segment_ids")
-  # model.loss_tiles: the output layer and its loss run over this many slices of the target
-  # positions, so the (tokens, vocabulary) logits are never held whole (1: one pass).
-  head_options = {"loss_tiles": 1}
+  head_options = LOSS_TILES
 
   @classmethod
   def check_head(cls, head: Mapping[str, Any], tokenizer_kind: str | None) -> None:
-    tiles = head["loss_tiles"]
-    if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1:
-      raise UserError(f"model.loss_tiles={tiles!r}: must be an integer >= 1 (1: the whole "
-                      "output layer at once)")
+    check_loss_tiles(head)
 
   # ---------------------------------------------------------------------- data
   @classmethod
@@ -121,15 +115,11 @@ class Seq2SeqTask(Task):
 
   def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
                 train: bool) -> dict[str, jax.Array]:
-    smoothing = self.label_smoothing if train else 0.0
-    tiles = self.head["loss_tiles"]
-    if tiles == 1:
-      return cross_entropy_sums(self.logits(params, batch, rng, train), batch["tgt_out"],
-                                smoothing)
-    hidden = self.logits(params, batch, rng, train, return_hidden=True)
     project = lambda h: self.model.apply({"params": params}, h, train=train,
                                          method=Transformer.output_logits)
-    return tiled_cross_entropy_sums(project, hidden, batch["tgt_out"], smoothing, tiles)
+    return token_loss_sums(
+        lambda hidden: self.logits(params, batch, rng, train, return_hidden=hidden), project,
+        batch["tgt_out"], self.label_smoothing if train else 0.0, self.head["loss_tiles"])
 
   # ---------------------------------------------------------------- evaluation
   def predict(self, params: Any, batch: Mapping[str, np.ndarray],
