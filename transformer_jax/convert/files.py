@@ -22,7 +22,7 @@ from transformer_jax.convert.tensors import ConvertError
 from transformer_jax.data.tokenizer import tokenizer_item
 from transformer_jax.options import TrainOptions
 from transformer_jax.renamed_fields import upgrade
-from transformer_jax.tasks import Seq2SeqTask
+from transformer_jax.tasks import Seq2SeqTask, split_model_fields, task_class
 
 
 def read_json(path: str) -> dict:
@@ -89,7 +89,8 @@ def load_ours(workdir: str | None, checkpoint_path: str | None, purpose: str,
   if saved_task != task:
     raise ConvertError(f"{path}: convert {purpose} converts models of task={task!r} only; "
                        f"this is a task={saved_task!r} model")
-  cfg = TransformerConfig.from_dict(record.config["model"])
+  fields, _ = split_model_fields(task_class(task), record.config["model"])   # no head options
+  cfg = TransformerConfig.from_dict(fields)
   params = jax.tree_util.tree_map(np.asarray, params)
   if cfg.scan_layers:
     params = param_utils.unstack_layers(params)
