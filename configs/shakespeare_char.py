@@ -17,12 +17,13 @@ from configs import default
 def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.task = "lm"
-  # 30 minutes of a 2-core CPU alone: 5,600 steps of 16 x 128 characters (11.5M, 2.5 passes
-  # over the training text) at about 7,200 characters/s.
-  config.num_train_steps = 5600
+  # 30 minutes of a 2-core CPU alone: 7,000 steps of 16 x 128 characters (14.3M, 3.1 passes
+  # over the training text) at about 9,000 characters/s (5,600 steps at the slower step of
+  # before the flat feed-forward: 0.012 higher at seed 0).
+  config.num_train_steps = 7000
   config.log_every_steps = 100
-  config.eval_every_steps = 800
-  config.checkpoint_every_steps = 800
+  config.eval_every_steps = 1000
+  config.checkpoint_every_steps = 1000
   config.keep_checkpoints = 2
   config.batch_size = 16
   config.label_smoothing = 0.0
