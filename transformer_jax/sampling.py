@@ -32,8 +32,9 @@ _BANNED = (PAD_ID, BOS_ID, UNK_ID)
 
 
 def filtered_logits(logits: Array, temperature: Array, top_k: Array, top_p: Array) -> Array:
-  """(B, V) float32 logits (the absent ids already -inf) / temperature, with every token outside the `top_k` most likely
-  (0: no cut) and outside the smallest set whose probability reaches `top_p` set to -inf.
+  """(B, V) float32 logits (the absent ids already -inf) / temperature, with every token
+  outside the `top_k` most likely (0: no cut) and outside the smallest set whose probability
+  reaches `top_p` set to -inf.
   The cuts are thresholds on the sorted logits, so k and p are values, not shapes: one
   compiled program serves every setting."""
   logits = logits / temperature

@@ -52,5 +52,5 @@ def from_run_config(run_config: Mapping[str, Any], *, tokenizer: Any = None,
 
 
 __all__ = ["TASKS", "Task", "EvalBatch", "Seq2SeqTask", "TranslationTask", "ClassificationTask",
-           "TaggingTask", "MaskedLMTask", "LanguageModelTask", "ReplacedTokenDetectionTask", "task_class",
-           "split_model_fields", "from_run_config"]
+           "TaggingTask", "MaskedLMTask", "LanguageModelTask", "ReplacedTokenDetectionTask",
+           "task_class", "split_model_fields", "from_run_config"]
