@@ -87,7 +87,7 @@ def main(argv: list[str]) -> None:
   if FLAGS.y_max is not None:
     axes.set_ylim(top=FLAGS.y_max)
   axes.grid(alpha=0.3)
-  axes.legend()
+  axes.legend(loc="upper right", fontsize="small")   # the curves end low on the right
   figure.tight_layout()
   figure.savefig(FLAGS.output, dpi=110)
   print(f"wrote {FLAGS.output}")

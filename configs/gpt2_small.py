@@ -39,13 +39,15 @@ def get_config() -> ml_collections.ConfigDict:
       eval_max_length=1024)
 
   # GPT-2: pre-LN with a final LayerNorm, learned positions, GELU (tanh), biases, output
-  # tied to the token embedding, embeddings not scaled by sqrt(d_model). No dropout, as
+  # tied to the token embedding, embeddings not scaled by sqrt(d_model), GPT-2's
+  # initialisation (the one that reproduces nanoGPT's loss at its CPU recipe). No dropout, as
   # nanoGPT pretrains (GPT-2 had 0.1), which also lets the fused attention kernels run
   # (they have no attention dropout).
   config.model.update(dict(
       d_model=768, num_heads=12, d_ff=3072, num_encoder_layers=0, num_decoder_layers=12,
       max_len=1024, norm_position="pre", positional="learned", activation="gelu",
-      use_bias=True, tie_output=True, scale_embeddings=False, layer_norm_epsilon=1e-5,
+      use_bias=True, tie_output=True, scale_embeddings=False, weight_init="gpt2",
+      layer_norm_epsilon=1e-5,
       dropout_rate=0.0, attention_dropout_rate=0.0, activation_dropout_rate=0.0,
       dtype="bfloat16", attention_impl="auto"))
   # The output layer and its loss over this many slices of the positions, so that the

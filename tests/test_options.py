@@ -36,6 +36,7 @@ OPTIONS = [
                              target_vocab_size=VOCAB + 7), False),
     ("unshared-tied", dict(share_embeddings=False, target_vocab_size=VOCAB + 7), False),
     ("dtype=bfloat16", dict(dtype="bfloat16"), False),
+    ("weight_init=gpt2", dict(weight_init="gpt2", scale_embeddings=False), False),
     ("dropout", dict(dropout_rate=0.2), True),
     ("attention-dropout", dict(attention_dropout_rate=0.2), True),
     ("activation-dropout", dict(activation_dropout_rate=0.2), True),
@@ -207,3 +208,28 @@ def test_final_logits_bias_is_added_to_every_position():
   params["decoder"]["final_logits_bias"] = bias
   shifted = np.asarray(transformer_apply(cfg)({"params": params}, src, tgt_in))
   np.testing.assert_allclose(shifted - zero, np.broadcast_to(bias, zero.shape), atol=1e-5)
+
+
+def test_gpt2_init_draws_at_0_02_and_scales_the_residual_projections_by_depth():
+  """GPT-2's scheme: N(0, 0.02) for matrices and the embedding, N(0, 0.02 / sqrt(2 * layers))
+  for attention's output and the feed-forward's second projection (here 4 layers)."""
+  cfg = tiny_config(weight_init="gpt2", d_model=128, d_ff=256, vocab_size=400,
+                    num_encoder_layers=2,
+                    num_decoder_layers=2)
+  params = flax.core.unfreeze(nn.meta.unbox(transformer_variables(cfg)["params"]))
+  layer = params["encoder"]["layer_0"]
+  drawn = {"embedding": params["shared_embedding"]["embedding"],
+           "query": layer["self_attention"]["query"]["kernel"],
+           "wi": layer["feed_forward"]["wi"]["kernel"],
+           "out": layer["self_attention"]["out"]["kernel"],
+           "wo": layer["feed_forward"]["wo"]["kernel"]}
+  residual = 0.02 / np.sqrt(2 * 4)
+  expected = {"embedding": 0.02, "query": 0.02, "wi": 0.02, "out": residual, "wo": residual}
+  for name, weights in drawn.items():
+    assert abs(float(np.std(weights)) / expected[name] - 1) < 0.05, name
+    assert abs(float(np.mean(weights))) < 0.1 * expected[name], name
+  # The default, the paper's model as Flax's WMT example starts it: Xavier-uniform.
+  xavier = nn.meta.unbox(transformer_variables(cfg.replace(weight_init="xavier"))["params"])
+  query = xavier["encoder"]["layer_0"]["self_attention"]["query"]["kernel"]   # (D, N, H)
+  bound = np.sqrt(6 / (2 * cfg.d_model))
+  assert np.abs(query).max() <= bound and np.std(query) > 0.9 * bound / np.sqrt(3)

@@ -32,6 +32,7 @@ _CHOICES = {
     "sinusoidal_layout": ("interleaved", "halves"),
     "attention_impl": ("einsum", "xla", "cudnn", "splash", "auto"),
     "remat_policy": ("none", "full", "dots", "dots_no_batch"),
+    "weight_init": ("xavier", "gpt2"),
 }
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -102,6 +103,10 @@ class TransformerConfig:
       matmuls without batch dimensions, i.e. not attention scores).
     fused_qkv: self-attention projects query, key and value with one (d_model, 3, heads,
       d_k) kernel named "qkv" (convert with `params.fuse_qkv` / `split_qkv`).
+    weight_init: "xavier" (Xavier-uniform matrices, embeddings N(0, 1/d_model), as Flax's WMT
+      example and fairseq start the paper's model) or "gpt2" (GPT-2's and nanoGPT's: every
+      matrix and embedding N(0, 0.02), the projections into the residual stream, attention's
+      output and the feed-forward's second, N(0, 0.02 / sqrt(2 * layers))); `modules.init`.
   """
 
   vocab_size: int
@@ -137,6 +142,7 @@ class TransformerConfig:
   scan_layers: bool = False
   remat_policy: str = "none"
   fused_qkv: bool = False
+  weight_init: str = "xavier"
 
   # ----------------------------------------------------------------------------- presets
   @classmethod

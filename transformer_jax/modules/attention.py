@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from transformer_jax.config import TransformerConfig
 from transformer_jax.modules import kernels
 from transformer_jax.modules.embedding import rotary
+from transformer_jax.modules.init import kernel_init
 from transformer_jax.sharding import partitioned
 
 Array = jax.Array
@@ -266,7 +267,7 @@ class MultiHeadAttention(nn.Module):
     return nn.DenseGeneral(
         features=(heads or cfg.num_heads, cfg.head_dim), dtype=cfg.compute_dtype,
         param_dtype=cfg.params_dtype, name=name, use_bias=cfg.use_bias,
-        kernel_init=partitioned(nn.initializers.xavier_uniform(), ("embed", "heads", "kv")),
+        kernel_init=partitioned(kernel_init(cfg), ("embed", "heads", "kv")),
         bias_init=partitioned(nn.initializers.zeros_init(), ("heads", "kv")))
 
   def _fused_projection(self, inputs: Array) -> tuple[Array, Array, Array]:
@@ -277,7 +278,7 @@ class MultiHeadAttention(nn.Module):
     qkv = nn.DenseGeneral(
         features=(3, cfg.num_heads, cfg.head_dim), dtype=cfg.compute_dtype,
         param_dtype=cfg.params_dtype, name="qkv", use_bias=cfg.use_bias,
-        kernel_init=partitioned(_stacked(nn.initializers.xavier_uniform(), 3),
+        kernel_init=partitioned(_stacked(kernel_init(cfg), 3),
                                 ("embed", "qkv", "heads", "kv")),
         bias_init=partitioned(nn.initializers.zeros_init(), ("qkv", "heads", "kv")))(inputs)
     return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]                  # (B, T, N, H) each
@@ -328,7 +329,7 @@ class MultiHeadAttention(nn.Module):
     return nn.DenseGeneral(
         features=cfg.d_model, axis=(-2, -1), dtype=cfg.compute_dtype,
         param_dtype=cfg.params_dtype, name="out", use_bias=cfg.use_bias,
-        kernel_init=partitioned(nn.initializers.xavier_uniform(), ("heads", "kv", "embed")),
+        kernel_init=partitioned(kernel_init(cfg, into_residual=True), ("heads", "kv", "embed")),
         bias_init=partitioned(nn.initializers.zeros_init(), ("embed",)))(out)
 
   def _cross_keys_values(self, inputs_kv: Array | None, decode: bool) -> tuple[Array, Array]:

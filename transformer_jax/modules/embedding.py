@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.config import TransformerConfig
+from transformer_jax.modules.init import embedding_init
 from transformer_jax.sharding import partitioned
 
 Array = jax.Array
@@ -63,13 +64,13 @@ tied_projection.defvjp(_tied_projection_fwd, _tied_projection_bwd)
 
 
 def token_embedding(config: TransformerConfig, vocab_size: int, name: str) -> nn.Embed:
-  """Embedding table whose rows have norm ~1 after the sqrt(d_model) input scaling, so
-  the tied output projection (x @ E^T) starts with unit-scale logits."""
+  """Embedding table (`init.embedding_init`: with "xavier" its rows have norm ~1 after the
+  sqrt(d_model) input scaling, so the tied output projection (x @ E^T) starts with
+  unit-scale logits)."""
   return nn.Embed(
       num_embeddings=vocab_size, features=config.d_model, dtype=config.compute_dtype,
       param_dtype=config.params_dtype, name=name,
-      embedding_init=partitioned(nn.initializers.normal(stddev=config.d_model ** -0.5),
-                                 ("vocab", "embed")))
+      embedding_init=partitioned(embedding_init(config), ("vocab", "embed")))
 
 
 def rotary(x: Array, positions: Array, theta: float) -> Array:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from transformer_jax.config import PAD_ID, TransformerConfig
 from transformer_jax.modules.embedding import CharacterFeatures, tied_projection
+from transformer_jax.modules.init import kernel_init
 from transformer_jax.modules.layers import norm
 from transformer_jax.modules.models import Encoder
 from transformer_jax.sharding import partitioned
@@ -146,7 +147,7 @@ class MaskedLanguageModel(nn.Module):
       x = jnp.take_along_axis(x, predict_at[..., None], axis=1)                     # (B, K, D)
     x = nn.Dense(cfg.d_model, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
                  name="mlm_transform",
-                 kernel_init=partitioned(nn.initializers.xavier_uniform(), ("embed", "mlp")),
+                 kernel_init=partitioned(kernel_init(cfg), ("embed", "mlp")),
                  bias_init=partitioned(nn.initializers.zeros_init(), ("mlp",)))(x)
     x = norm(cfg, "mlm_norm")(nn.gelu(x)).astype(cfg.compute_dtype)
     table = nn.meta.unbox(self.variables["params"]["encoder"]["embedding"]["embedding"])
@@ -171,5 +172,5 @@ def crf_scores(params: Any) -> tuple[Array, Array, Array]:
 def _classifier_layer(cfg: TransformerConfig, num_outputs: int) -> nn.Dense:
   return nn.Dense(num_outputs, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
                   name="classifier",
-                  kernel_init=partitioned(nn.initializers.xavier_uniform(), ("embed", "classes")),
+                  kernel_init=partitioned(kernel_init(cfg), ("embed", "classes")),
                   bias_init=partitioned(nn.initializers.zeros_init(), ("classes",)))

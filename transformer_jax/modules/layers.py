@@ -12,6 +12,7 @@ import jax
 
 from transformer_jax.config import TransformerConfig
 from transformer_jax.modules.attention import AttentionMask, MultiHeadAttention
+from transformer_jax.modules.init import kernel_init
 from transformer_jax.sharding import partitioned
 
 Array = jax.Array
@@ -52,7 +53,7 @@ class FeedForward(nn.Module):
     dense = lambda features, axes, name: nn.Dense(
         features, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, name=name,
         use_bias=cfg.use_bias,
-        kernel_init=partitioned(nn.initializers.xavier_uniform(), axes),
+        kernel_init=partitioned(kernel_init(cfg, into_residual=name == "wo"), axes),
         bias_init=partitioned(nn.initializers.zeros_init(), axes[1:]))
     # Tokens as rows of one matrix: with (B, T, D) XLA's CPU backend wrote the activation's
     # backward transposed for the weight gradient, 1.6 ms a layer at nanoGPT's CPU recipe;

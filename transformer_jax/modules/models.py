@@ -24,6 +24,7 @@ from transformer_jax.config import (
 )
 from transformer_jax.modules.attention import AttentionMask
 from transformer_jax.modules.embedding import InputEmbedding, tied_projection, token_embedding
+from transformer_jax.modules.init import kernel_init
 from transformer_jax.modules.layers import DecoderLayer, EncoderLayer, norm
 from transformer_jax.sharding import constrain_to_batch, partitioned
 
@@ -165,7 +166,7 @@ class Decoder(nn.Module):
       logits = nn.Dense(
           cfg.tgt_vocab_size, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
           name="output_projection",
-          kernel_init=partitioned(nn.initializers.xavier_uniform(), ("embed", "vocab")),
+          kernel_init=partitioned(kernel_init(cfg), ("embed", "vocab")),
           bias_init=partitioned(nn.initializers.zeros_init(), ("vocab",)))(y)
     if cfg.final_logits_bias:
       bias = self.param("final_logits_bias",

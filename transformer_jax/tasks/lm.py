@@ -42,13 +42,12 @@ from transformer_jax.tasks.base import (
   EvalStep,
   Example,
   Samples,
-  Task,
   ids,
   loss_metrics,
   padded_getter,
   teacher_forced_sums,
 )
-from transformer_jax.tasks.losses import LOSS_TILES, check_loss_tiles, token_loss_sums
+from transformer_jax.tasks.losses import TokenPredictingTask
 
 _PIECES = re.compile(r"(?<=\n\n)(?=[^\n])")   # cut after a blank line, before the next text
 
@@ -64,7 +63,7 @@ def text_pieces(text: str) -> list[dict]:
   return [{"text": piece} for piece in _PIECES.split(text) if piece]
 
 
-class LanguageModelTask(Task):
+class LanguageModelTask(TokenPredictingTask):
   name = "lm"
   record_keys = ("text",)
   sequence_keys = ("inputs", "targets")
@@ -75,11 +74,7 @@ class LanguageModelTask(Task):
   serving_output = "continuation"
   long_inputs = "truncate"     # a prompt keeps its last tokens (see `truncate`)
   strict_utf8 = True           # a prompt that is not UTF-8 is refused, not guessed at
-  head_options = LOSS_TILES
-
-  @classmethod
-  def check_head(cls, head: Mapping[str, Any], tokenizer_kind: str | None) -> None:
-    check_loss_tiles(head)
+  target_key = "targets"
 
   # ---------------------------------------------------------------------- data
   @classmethod
@@ -162,14 +157,6 @@ class LanguageModelTask(Task):
     return self.model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
                             segment_ids=batch["segment_ids"], train=train, rngs=rngs,
                             return_hidden=return_hidden)
-
-  def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
-                train: bool) -> dict[str, jax.Array]:
-    project = lambda h: self.model.apply({"params": params}, h, train=train,
-                                         method=LanguageModel.output_logits)
-    return token_loss_sums(
-        lambda hidden: self.logits(params, batch, rng, train, return_hidden=hidden), project,
-        batch["targets"], self.label_smoothing if train else 0.0, self.head["loss_tiles"])
 
   # ---------------------------------------------------------------- generation
   def continue_prompts(self, params: Any, prompts: Sequence[np.ndarray],

@@ -1,14 +1,18 @@
-"""Label-smoothed cross-entropy (paper §5.4, epsilon 0.1)."""
+"""Label-smoothed cross-entropy (paper §5.4, epsilon 0.1), and the loss of the tasks whose
+model ends in the vocabulary's projection (`TokenPredictingTask`: translation, language
+modelling)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import abc
+from typing import Any, Callable, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
 
 from transformer_jax.config import PAD_ID
 from transformer_jax.errors import UserError
+from transformer_jax.tasks.base import Batch, Task
 
 
 def smoothed_targets(targets: jax.Array, vocab_size: int, smoothing: float) -> jax.Array:
@@ -83,6 +87,33 @@ def token_loss_sums(model_output: Callable[[bool], jax.Array],
   if tiles == 1:
     return cross_entropy_sums(model_output(False), targets, smoothing)
   return tiled_cross_entropy_sums(project, model_output(True), targets, smoothing, tiles)
+
+
+class TokenPredictingTask(Task):
+  """A task whose model predicts the next token of `target_key` over the vocabulary: its
+  head option `model.loss_tiles`, and its loss through `token_loss_sums`. The model has an
+  `output_logits` method (hidden states -> logits), and `logits(..., return_hidden=True)`
+  gives its final hidden states."""
+
+  head_options = LOSS_TILES
+  target_key: ClassVar[str]
+
+  @classmethod
+  def check_head(cls, head: Mapping[str, Any], tokenizer_kind: str | None) -> None:
+    check_loss_tiles(head)
+
+  @abc.abstractmethod
+  def logits(self, params: Any, batch: Batch, rng: jax.Array | None, train: bool,
+             return_hidden: bool = False) -> jax.Array:
+    ...
+
+  def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
+                train: bool) -> dict[str, jax.Array]:
+    project = lambda h: self.model.apply({"params": params}, h, train=train,
+                                         method=type(self.model).output_logits)
+    return token_loss_sums(
+        lambda hidden: self.logits(params, batch, rng, train, return_hidden=hidden), project,
+        batch[self.target_key], self.label_smoothing if train else 0.0, self.head["loss_tiles"])
 
 
 def tiled_cross_entropy_sums(project: Callable[[jax.Array], jax.Array], hidden: jax.Array,

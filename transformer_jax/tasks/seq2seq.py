@@ -26,16 +26,15 @@ from transformer_jax.tasks.base import (
   EvalStep,
   Example,
   Samples,
-  Task,
   ids,
   loss_metrics,
   padded_getter,
   teacher_forced_sums,
 )
-from transformer_jax.tasks.losses import LOSS_TILES, check_loss_tiles, token_loss_sums
+from transformer_jax.tasks.losses import TokenPredictingTask
 
 
-class Seq2SeqTask(Task):
+class Seq2SeqTask(TokenPredictingTask):
   name = "seq2seq"
   record_keys = ("source", "target")
   sequence_keys = ("src", "tgt_in", "tgt_out")
@@ -48,11 +47,7 @@ class Seq2SeqTask(Task):
   can_split = False   # a source and its target cannot be cut at the same tokens
   serving_output = "token_ids"
   _OPTIONAL = ("src_positions", "tgt_positions", "src_segment_ids", "tgt_segment_ids")
-  head_options = LOSS_TILES
-
-  @classmethod
-  def check_head(cls, head: Mapping[str, Any], tokenizer_kind: str | None) -> None:
-    check_loss_tiles(head)
+  target_key = "tgt_out"
 
   # ---------------------------------------------------------------------- data
   @classmethod
@@ -112,14 +107,6 @@ class Seq2SeqTask(Task):
     rngs = {"dropout": rng} if train else {}
     return self.model.apply({"params": params}, batch["src"], batch["tgt_in"], train=train,
                             rngs=rngs, return_hidden=return_hidden, **extra)
-
-  def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
-                train: bool) -> dict[str, jax.Array]:
-    project = lambda h: self.model.apply({"params": params}, h, train=train,
-                                         method=Transformer.output_logits)
-    return token_loss_sums(
-        lambda hidden: self.logits(params, batch, rng, train, return_hidden=hidden), project,
-        batch["tgt_out"], self.label_smoothing if train else 0.0, self.head["loss_tiles"])
 
   # ---------------------------------------------------------------- evaluation
   def predict(self, params: Any, batch: Mapping[str, np.ndarray],
