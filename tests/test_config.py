@@ -119,6 +119,7 @@ def test_dropout_rate_bounds_that_are_allowed(field):
     ("dtype", "float64"), ("dtype", "bf16"),
     ("param_dtype", "int8"),
     ("remat_policy", "sometimes"), ("remat_policy", None),
+    ("weight_init", "normal"),
 ])
 def test_unknown_choices_are_rejected(field, value):
   _raises_naming(field, **{field: value})
@@ -130,7 +131,7 @@ def test_unknown_choices_are_rejected(field, value):
     ("remat_policy", "full"), ("remat_policy", "dots"), ("remat_policy", "dots_no_batch"),
     ("scan_layers", True), ("fused_qkv", True),
     ("activation", "swish"), ("activation", "silu"), ("sinusoidal_layout", "halves"),
-    ("final_logits_bias", True), ("zero_decoder_start", True),
+    ("final_logits_bias", True), ("zero_decoder_start", True), ("weight_init", "gpt2"),
 ])
 def test_known_choices_are_accepted(field, value):
   assert getattr(TransformerConfig(vocab_size=V, **{field: value}), field) == value

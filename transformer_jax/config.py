@@ -103,10 +103,8 @@ class TransformerConfig:
       matmuls without batch dimensions, i.e. not attention scores).
     fused_qkv: self-attention projects query, key and value with one (d_model, 3, heads,
       d_k) kernel named "qkv" (convert with `params.fuse_qkv` / `split_qkv`).
-    weight_init: "xavier" (Xavier-uniform matrices, embeddings N(0, 1/d_model), as Flax's WMT
-      example and fairseq start the paper's model) or "gpt2" (GPT-2's and nanoGPT's: every
-      matrix and embedding N(0, 0.02), the projections into the residual stream, attention's
-      output and the feed-forward's second, N(0, 0.02 / sqrt(2 * layers))); `modules.init`.
+    weight_init: "xavier" (the paper's model as Flax's WMT example and fairseq start it) or
+      "gpt2" (GPT-2's and nanoGPT's); `modules/init.py` says what each draws.
   """
 
   vocab_size: int

@@ -64,43 +64,23 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, smoothing: float =
           "correct": (correct * weights).sum(), "weight": weights.sum()}
 
 
-# model.loss_tiles (a head option of the tasks that predict tokens): the output layer and its
-# loss run over this many slices of the target positions, so the (tokens, vocabulary)
-# logits are never held whole (1: one pass).
-LOSS_TILES = {"loss_tiles": 1}
-
-
-def check_loss_tiles(head: dict[str, Any] | Any) -> None:
-  """Raises UserError unless the head's `loss_tiles` is an integer >= 1."""
-  tiles = head["loss_tiles"]
-  if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1:
-    raise UserError(f"model.loss_tiles={tiles!r}: must be an integer >= 1 (1: the whole "
-                    "output layer at once)")
-
-
-def token_loss_sums(model_output: Callable[[bool], jax.Array],
-                    project: Callable[[jax.Array], jax.Array], targets: jax.Array,
-                    smoothing: float, tiles: int) -> dict[str, jax.Array]:
-  """`cross_entropy_sums` of a model that predicts tokens: `model_output(False)` its logits,
-  `model_output(True)` its final hidden states, which `project` maps to logits a slice at a
-  time when `tiles` > 1 (`tiled_cross_entropy_sums`)."""
-  if tiles == 1:
-    return cross_entropy_sums(model_output(False), targets, smoothing)
-  return tiled_cross_entropy_sums(project, model_output(True), targets, smoothing, tiles)
-
-
 class TokenPredictingTask(Task):
   """A task whose model predicts the next token of `target_key` over the vocabulary: its
-  head option `model.loss_tiles`, and its loss through `token_loss_sums`. The model has an
+  head option `model.loss_tiles`, and its label-smoothed loss. The model has an
   `output_logits` method (hidden states -> logits), and `logits(..., return_hidden=True)`
   gives its final hidden states."""
 
-  head_options = LOSS_TILES
+  # model.loss_tiles: the output layer and its loss run over this many slices of the target
+  # positions, so the (tokens, vocabulary) logits are never held whole (1: one pass).
+  head_options = {"loss_tiles": 1}
   target_key: ClassVar[str]
 
   @classmethod
   def check_head(cls, head: Mapping[str, Any], tokenizer_kind: str | None) -> None:
-    check_loss_tiles(head)
+    tiles = head["loss_tiles"]
+    if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1:
+      raise UserError(f"model.loss_tiles={tiles!r}: must be an integer >= 1 (1: the whole "
+                      "output layer at once)")
 
   @abc.abstractmethod
   def logits(self, params: Any, batch: Batch, rng: jax.Array | None, train: bool,
@@ -109,11 +89,14 @@ class TokenPredictingTask(Task):
 
   def loss_sums(self, params: Any, batch: Batch, rng: jax.Array | None,
                 train: bool) -> dict[str, jax.Array]:
+    smoothing, tiles = self.label_smoothing if train else 0.0, self.head["loss_tiles"]
+    targets = batch[self.target_key]
+    if tiles == 1:
+      return cross_entropy_sums(self.logits(params, batch, rng, train), targets, smoothing)
     project = lambda h: self.model.apply({"params": params}, h, train=train,
                                          method=type(self.model).output_logits)
-    return token_loss_sums(
-        lambda hidden: self.logits(params, batch, rng, train, return_hidden=hidden), project,
-        batch[self.target_key], self.label_smoothing if train else 0.0, self.head["loss_tiles"])
+    hidden = self.logits(params, batch, rng, train, return_hidden=True)
+    return tiled_cross_entropy_sums(project, hidden, targets, smoothing, tiles)
 
 
 def tiled_cross_entropy_sums(project: Callable[[jax.Array], jax.Array], hidden: jax.Array,
