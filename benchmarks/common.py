@@ -28,9 +28,10 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax.accelerators import KNOWN_PEAKS, compiled_memory  # noqa: F401 (re-exported)
-from transformer_jax.config import BOS_ID, PAD_ID, UNK_ID, TransformerConfig
+from transformer_jax.config import BOS_ID, KERNELS, PAD_ID, UNK_ID, TransformerConfig
 from transformer_jax.errors import UserError
 from transformer_jax.modules.models import REMAT_POLICIES
+from transformer_jax.platforms import cudnn_version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,7 +48,7 @@ flags.DEFINE_integer("vocab_size", None, "Vocabulary (default: config.data.vocab
                      "SentencePiece config, or the synthetic task's).")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype (parameters stay "
                   "float32).")
-flags.DEFINE_enum("attention", None, ["einsum", "xla", "cudnn", "splash", "auto"],
+flags.DEFINE_enum("attention", None, ["einsum", "xla", *KERNELS, "auto"],
                   "Attention implementation (model.attention_impl).")
 flags.DEFINE_bool("scan", None, "nn.scan over layers (model.scan_layers).")
 flags.DEFINE_enum("remat", None, ["none", *REMAT_POLICIES], "Remat policy.")
@@ -66,6 +67,7 @@ _MODEL_FLAGS = {"dtype": "dtype", "attention": "attention_impl", "scan": "scan_l
 
 
 TASKS = ("seq2seq", "lm")
+PACKED_SEGMENTS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +125,9 @@ def setup() -> Setup:
     if not value:
       raise UserError(f"the config gives no {name}; pass --{name}")
   values["vocab_size"] = vocab_size
+  # Packed rows (--packed) hold at most this many sequences (random_batch keeps the bound,
+  # 0: none): what cuDNN's packed layout is sized by.
+  values["max_segments"] = data.get("max_segments") or PACKED_SEGMENTS
   from transformer_jax.tasks import split_model_fields, task_class
   fields, head = split_model_fields(task_class(task), values)
   model = TransformerConfig.from_dict(fields)
@@ -158,7 +163,8 @@ def random_batch(s: Setup, seed: int, packed: bool = False) -> dict[str, np.ndar
       while True:
         lengths = {"src": int(rng.integers(max(1, s.src_length // 8), s.src_length // 2 + 2)),
                    "tgt": int(rng.integers(max(1, s.tgt_length // 8), s.tgt_length // 2 + 2))}
-        if any(ends[k] + lengths[k] > segments[k].shape[1] for k in ends):
+        if (0 < s.model.max_segments < segment
+            or any(ends[k] + lengths[k] > segments[k].shape[1] for k in ends)):
           break
         for k in ends:
           segments[k][row, ends[k]:ends[k] + lengths[k]] = segment
@@ -192,7 +198,7 @@ def _lm_batch(s: Setup, seed: int, packed: bool) -> dict[str, np.ndarray]:
       start, segment = 0, 1
       while True:
         length = int(rng.integers(max(1, s.tgt_length // 8), s.tgt_length // 2 + 2))
-        if start + length > s.tgt_length:
+        if 0 < s.model.max_segments < segment or start + length > s.tgt_length:
           break
         segments[row, start:start + length] = segment
         start, segment = start + length, segment + 1
@@ -280,8 +286,9 @@ def peak_memory_bytes() -> int | None:
 # ------------------------------------------------------------------------ device and peak
 def device_info() -> dict[str, Any]:
   d = jax.devices()[0]
+  cudnn = {"cudnn": cudnn_version()} if d.platform == "gpu" else {}
   return {"platform": d.platform, "kind": d.device_kind, "count": jax.device_count(),
-          "host_cpus": os.cpu_count(), "jax": jax.__version__}
+          "host_cpus": os.cpu_count(), "jax": jax.__version__, **cudnn}
 
 
 def peak_tflops(dtype: str, override: float | None) -> tuple[float, str]:

@@ -165,13 +165,14 @@ def where_the_time_went(path: str, skip: int) -> dict[str, dict[str, float]]:
           "slowest_1pct": summary(records[-max(1, len(records) // 100):])}
 
 
-def _read_inputs(path: str) -> list[str]:
+def _read_inputs(path: str, flag: str = "--inputs") -> list[str]:
+  """The lines of the file `flag` names."""
   if not os.path.isfile(path):
-    raise errors.MissingFileError(f"--inputs={path}: no such file")
+    raise errors.MissingFileError(f"{flag}={path}: no such file")
   with open(path) as f:
     lines = [line.rstrip("\n") for line in f]
   if not lines:
-    raise errors.UserError(f"--inputs={path} has no lines")
+    raise errors.UserError(f"{flag}={path} has no lines")
   return lines
 
 

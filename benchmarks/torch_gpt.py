@@ -5,7 +5,7 @@ Token embedding (scaled by sqrt(d_model), unless the config says not) plus learn
 sinusoidal) positions, N blocks of causal self-attention
 (`F.scaled_dot_product_attention(is_causal=True)`: flash attention on a GPU) and a
 feed-forward network, each in a pre-LN (or post-LN) residual, a final LayerNorm when
-pre-LN, and the output projection tied to the embedding (or its own, with a bias). The loss is the mean (label-smoothed) cross-entropy over non-padding targets. Rows
+pre-LN, and the output projection tied to the embedding (or its own, with a bias under use_bias). The loss is the mean (label-smoothed) cross-entropy over non-padding targets. Rows
 are padded at their ends only (stream windows), so the causal mask alone hides padding
 keys from every real query. Options the JAX model has and this one does not mirror (rotary
 positions, RMSNorm, a gated feed-forward, grouped-query attention, ...) are refused in one
@@ -108,7 +108,7 @@ class TorchGPT(nn.Module):
     pre = cfg.norm_position == "pre"
     self.final_norm = (nn.LayerNorm(d, eps=cfg.layer_norm_epsilon, bias=cfg.use_bias)
                        if pre else None)
-    self.output = None if cfg.tie_output else nn.Linear(d, cfg.vocab_size)
+    self.output = None if cfg.tie_output else nn.Linear(d, cfg.vocab_size, bias=cfg.use_bias)
 
   def logits(self, inputs: torch.Tensor) -> torch.Tensor:
     """(B, T) token ids -> float32 logits (B, T, V) of each next token."""

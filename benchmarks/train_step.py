@@ -28,6 +28,7 @@ from absl import flags, logging
 
 from benchmarks import common
 from transformer_jax import errors
+from transformer_jax.aot.hlo_cost import cudnn_workspaces
 from transformer_jax.flops import lm_flops, matmul_flops, model_flops
 from transformer_jax.params import count_params
 from transformer_jax.tasks import task_class
@@ -58,6 +59,10 @@ def prepare_jax(s: common.Setup, batch: dict) -> tuple[dict[str, Any], Callable[
   info = {"parameters": count_params(state.params), **compile_times,
           "hardware_flops_per_step": matmul_flops(step, state, batch),
           "compiled_memory": common.compiled_memory(compiled)}
+  workspaces = cudnn_workspaces(compiled.as_text())
+  if workspaces:   # what a compile-only plan counts as 0 bytes (aot/report.py)
+    info["cudnn_workspace_bytes"] = {"calls": len(workspaces), "largest": max(workspaces),
+                                     "total": sum(workspaces)}
 
   def call() -> None:
     nonlocal state

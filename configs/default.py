@@ -13,13 +13,14 @@ from transformer_jax.config import TransformerConfig
 
 
 def model_defaults() -> dict:
-  """Every TransformerConfig field but the vocabulary sizes (those come from the data), at
+  """Every TransformerConfig field but the vocabulary sizes and the packer's bound on
+  segments per row (those come from the data: data.max_segments), at
   its default, so that each one can be set from a config file or the command line (a None
   default as a typed placeholder: ml_collections refuses to override a plain None)."""
   return {field.name: (config_dict.placeholder(int) if field.default is None
                        else field.default)
           for field in dataclasses.fields(TransformerConfig)
-          if field.name not in ("vocab_size", "target_vocab_size")}
+          if field.name not in ("vocab_size", "target_vocab_size", "max_segments")}
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -40,7 +40,7 @@ def get_config(big: bool = False) -> ml_collections.ConfigDict:
 
   # Every TransformerConfig field of the preset; the vocabulary sizes come from the data.
   model = preset(vocab_size=config.data.vocab_size).to_dict()
-  del model["vocab_size"], model["target_vocab_size"]
+  del model["vocab_size"], model["target_vocab_size"], model["max_segments"]   # the data's
   config.model = ml_collections.ConfigDict(model)
   # The explicit attention path keeps Q.K^T in the compute dtype (bf16 on TPU; the softmax
   # is still float32), where jax.nn.dot_product_attention stores it in float32: XLA's TPU

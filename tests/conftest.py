@@ -122,15 +122,6 @@ def assert_close(actual, expected, atol: float = ATOL, rtol: float = RTOL) -> No
   np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), atol=atol, rtol=rtol)
 
 
-def on_gpu() -> bool:
-  return jax.default_backend() == "gpu"
-
-
-requires_gpu = pytest.mark.skipif(
-    not on_gpu(), reason="attention_impl='cudnn' needs an NVIDIA GPU (cuDNN); "
-    f"the JAX backend here is {jax.default_backend()!r}")
-
-
 class TrainedRuns:
   """Tiny trained runs of each task kind and their StableHLO exports, each made once per
   session on first use: training and exporting them is the cost of the serving tests

@@ -86,13 +86,14 @@ def hf_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
                  attention_mask=torch.from_numpy(mask)).logits.numpy()
 
 
-def hf_greedy(model, tokenizer, prompt_ids: list[int], count: int) -> list[int]:
-  """generate(do_sample=False) from <|endoftext|> + the prompt: the new ids, up to and with
-  <|endoftext|>."""
+def hf_greedy(model, tokenizer, prompt: str, count: int) -> list[int]:
+  """generate(**tokenizer(prompt), do_sample=False), as users call it: the new ids, up to and
+  with the end token. (Any Hugging Face causal LM and its tokenizer.)"""
   import torch
-  end = tokenizer.convert_tokens_to_ids(END)
+  inputs = tokenizer(prompt, return_tensors="pt")
   with torch.no_grad():
-    out = model.generate(torch.tensor([[end] + prompt_ids]), do_sample=False,
-                         max_new_tokens=count, pad_token_id=end).numpy()[0]
-  new = out[len(prompt_ids) + 1:].tolist()
+    out = model.generate(**inputs, do_sample=False, max_new_tokens=count,
+                         pad_token_id=tokenizer.eos_token_id).numpy()[0]
+  new = out[inputs["input_ids"].shape[1]:].tolist()
+  end = tokenizer.eos_token_id
   return new[:new.index(end) + 1] if end in new else new

@@ -341,6 +341,8 @@ def test_command_lines_report_user_errors_in_one_line(tmp_path):
   cases = {("benchmarks.seeds", "--config=configs/default.py", f"--workdir={tmp_path}",
             "--seeds=0,x"): "--seeds=0,x",
            ("benchmarks.serve_load", f"--model={tmp_path}"): "--inputs",
+           ("benchmarks.serve_stream", f"--model={tmp_path}",
+            f"--prompts={missing}"): f"--prompts={missing}",
            ("benchmarks.gpu_measurements", f"--output={tmp_path}/m.json",
             f"--runs={tmp_path}/runs", "--seeds=0,x"): "--seeds=0,x",
            ("benchmarks.gpu_measurements", f"--output={tmp_path}/m.json",
@@ -348,10 +350,25 @@ def test_command_lines_report_user_errors_in_one_line(tmp_path):
            ("benchmarks.gpu_measurements", f"--output={tmp_path}/m.json",
             f"--runs={tmp_path}/runs", "--attentions=flash"): "--attentions=flash",
            ("benchmarks.ctranslate2_speed", f"--checkpoint={tmp_path}",
-            f"--inputs={missing}"): f"--inputs={missing}"}
+            f"--inputs={missing}"): f"--inputs={missing}",
+           ("benchmarks.generate_speed", "--models=gpt3"): "--models"}
   for (module, *args), culprit in cases.items():
     out = _run(module, *args, check=False)
     lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert len(lines) == 1 and culprit in lines[0], out.stderr[-3000:]
   assert not os.listdir(tmp_path)        # nothing trained or written
+
+
+def test_generate_speed_reports_both_sides_on_the_same_ids():
+  """benchmarks.generate_speed at toy size: a row per batch with both sides' tokens/s and
+  first-token times, and the two generating the same greedy ids from the same weights."""
+  pytest.importorskip("transformers")
+  out = _run("benchmarks.generate_speed", "--models=tiny", "--batches=1,3", "--prompt=5",
+             "--new=6", "--steps=1", "--warmup=0", "--json")
+  report = json.loads(out.stdout)
+  assert [row["batch"] for row in report["rows"]] == [1, 3]
+  for row in report["rows"]:
+    assert row["same_ids_rows"] == row["batch"]
+    for side in ("transformers", "ours"):
+      assert row[side]["tokens_per_s"] > 0 and row[side]["first_token_ms"] > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import re
 
 import pytest
@@ -163,6 +164,20 @@ def test_layer_norm_epsilon_must_be_positive(value):
   _raises_naming("layer_norm_epsilon", layer_norm_epsilon=value)
 
 
+@pytest.mark.parametrize("value", [(2,), (4,), "0", 0])
+def test_absent_ids_are_pad_bos_or_unk(value):
+  _raises_naming("absent_ids", absent_ids=value)
+
+
+def test_absent_ids_through_json_stay_a_hashable_tuple():
+  """A saved config gives the ids back as a JSON list; the compiled-function caches key on
+  the config, so it must hash as the original does."""
+  cfg = TransformerConfig.small(V, absent_ids=(0, 3))
+  again = TransformerConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+  assert again == cfg and hash(again) == hash(cfg) and again.no_token_ids == (0, 3)
+  assert TransformerConfig.small(V, bos_is_eos=True).no_token_ids == (0, 1, 3)
+
+
 # ------------------------------------------------------------------------- dict round trip
 def test_from_dict_names_unknown_keys():
   with pytest.raises(ValueError) as info:
@@ -191,5 +206,5 @@ def test_every_model_field_can_be_set_from_the_command_line(name):
   refuses unknown keys), so each config lists every TransformerConfig field."""
   config = importlib.import_module(f"configs.{name}").get_config()
   settable = {f.name for f in dataclasses.fields(TransformerConfig)} - {
-      "vocab_size", "target_vocab_size"}
+      "vocab_size", "target_vocab_size", "max_segments"}     # the data's
   assert settable <= set(config.model.keys()), settable - set(config.model.keys())

@@ -35,6 +35,7 @@ from gpt2_fixture import (  # noqa: E402
 from transformer_jax import checkpoint, convert, sampling, trees  # noqa: E402
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig  # noqa: E402
 from transformer_jax.convert import gpt2  # noqa: E402
+from transformer_jax.data.tokenizer import prompt_ids  # noqa: E402
 from transformer_jax.modules.models import LanguageModel  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHAKESPEARE),
@@ -123,12 +124,14 @@ def test_import_gives_transformers_logits(hf, imported, padded):
   assert np.abs(log_ours - log_theirs).max() <= 1e-4
 
 
-def _greedy_ours(imported, prompts: list[list[int]], count: int) -> list[list[int]]:
-  """sampling.generate at temperature 0 (predict's greedy path) in GPT-2's ids."""
+def _greedy_ours(imported, prompts: list[str], count: int) -> list[list[int]]:
+  """The prompts as predict encodes them (prompt_ids), continued by sampling.generate at
+  temperature 0 (predict's greedy path), in the tokenizer's own ids, up to and with EOS."""
   m = imported
-  rows = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
-  for row, prompt in zip(rows, prompts):
-    row[:len(prompt)] = m["tokenizer"].to_ours(prompt)
+  encoded = [prompt_ids(m["tokenizer"], p) for p in prompts]
+  rows = np.zeros((len(prompts), max(map(len, encoded))), np.int32)
+  for row, ids in zip(rows, encoded):
+    row[:len(ids)] = ids
   out = np.asarray(sampling.generate(LanguageModel(m["cfg"]), m["params"], rows, count, 0.0,
                                      0, 1.0, 0))
   result = []
@@ -139,13 +142,13 @@ def _greedy_ours(imported, prompts: list[list[int]], count: int) -> list[list[in
 
 
 def test_greedy_generation_equals_generate(hf, imported):
-  """20 greedy tokens from each prompt (one padded batch here) equal generate(do_sample=
-  False) from the same ids, <|endoftext|> first, as our BOS reads it."""
+  """20 greedy tokens from each prompt (one padded batch here) equal
+  generate(**tokenizer(prompt), do_sample=False): a prompt starts without <|endoftext|>, as
+  GPT2Tokenizer encodes it."""
   model, tokenizer = hf
-  prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-  ours = _greedy_ours(imported, prompts, 20)
-  theirs = [hf_greedy(model, tokenizer, p, 20) for p in prompts]
-  print(f"\ngreedy ids equal on {sum(a == b for a, b in zip(ours, theirs))} of {len(prompts)} "
+  ours = _greedy_ours(imported, PROMPTS, 20)
+  theirs = [hf_greedy(model, tokenizer, p, 20) for p in PROMPTS]
+  print(f"\ngreedy ids equal on {sum(a == b for a, b in zip(ours, theirs))} of {len(PROMPTS)} "
         f"prompts ({sum(map(len, theirs))} tokens)")
   assert ours == theirs
 
@@ -190,15 +193,13 @@ def test_ctranslate2_generates_the_exports_greedy_ids(hf, imported, tmp_path):
   out = _export(imported, tmp_path)
   ctranslate2.converters.TransformersConverter(out).convert(str(tmp_path / "ct2"))
   generator = ctranslate2.Generator(str(tmp_path / "ct2"), device="cpu", intra_threads=1)
-  prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-  starts = [tokenizer.convert_ids_to_tokens([tokenizer.convert_tokens_to_ids(END)] + p)
-            for p in prompts]
+  starts = [tokenizer.convert_ids_to_tokens(tokenizer(p)["input_ids"]) for p in PROMPTS]
   results = generator.generate_batch(starts, max_length=20, sampling_topk=1,
                                      include_prompt_in_result=False)
-  ours = _greedy_ours(imported, prompts, 20)
+  ours = _greedy_ours(imported, PROMPTS, 20)
   end = tokenizer.convert_tokens_to_ids(END)
   theirs = [r.sequences_ids[0] for r in results]
-  print(f"\nctranslate2: {sum(map(len, theirs))} greedy ids from {len(prompts)} prompts")
+  print(f"\nctranslate2: {sum(map(len, theirs))} greedy ids from {len(PROMPTS)} prompts")
   # CTranslate2 leaves the end token out of its result.
   assert [row[:-1] if row and row[-1] == end else row for row in ours] == theirs
 
@@ -270,8 +271,7 @@ def test_predict_and_the_served_artifact_continue_as_generate(hf, imported, tmp_
   out = io.StringIO()
   predict.predict(imported["workdir"], io.BytesIO("".join(p + "\n" for p in prompts).encode()),
                   out, None, None, 8)
-  expected = [escape_line(tokenizer.decode(hf_greedy(model, tokenizer,
-                                                      tokenizer(p)["input_ids"], count),
+  expected = [escape_line(tokenizer.decode(hf_greedy(model, tokenizer, p, count),
                                            skip_special_tokens=True)) for p in PROMPTS]
   assert out.getvalue().split("\n")[:-1] == expected        # (a random model writes \r too)
   served = Served.load(export_stablehlo(imported["workdir"], None, str(tmp_path / "lm"), None,
@@ -382,5 +382,5 @@ def test_the_hubs_gpt2_imports_with_transformers_logits_and_greedy_ids(tmp_path)
   print(f"\ngpt2: largest logit difference {difference.max():.3g} "
         f"(logits up to {np.abs(theirs).max():.1f})")
   assert difference.max() <= 1e-4 * max(1.0, np.abs(theirs).max())
-  prompt = tokenizer("Hello, my dog is cute and")["input_ids"]
+  prompt = "Hello, my dog is cute and"
   assert _greedy_ours(m, [prompt], 20) == [hf_greedy(model, tokenizer, prompt, 20)]

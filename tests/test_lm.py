@@ -85,11 +85,12 @@ def test_packed_documents_equal_each_alone(options):
   assert_close(packed[:, 5:12], model.apply({"params": params}, second), atol=1e-5)
 
 
-def test_grouped_query_attention_is_multi_head_with_shared_keys():
+@pytest.mark.parametrize("attention_impl", ["einsum", "xla"])
+def test_grouped_query_attention_is_multi_head_with_shared_keys(attention_impl):
   """GQA with 2 key/value heads for 4 query heads equals MHA whose key and value heads are
-  the GQA ones, each repeated for its group of query heads; with as many KV heads as heads
-  it is MHA itself."""
-  gqa = lm_config(num_kv_heads=2)
+  the GQA ones, each repeated for its group of query heads (the einsum and XLA paths read
+  the shared heads without repeating them); with as many KV heads as heads it is MHA."""
+  gqa = lm_config(num_kv_heads=2, attention_impl=attention_impl)
   params = _params(gqa)
   mha_params = jax.tree_util.tree_map(lambda x: x, params)
   for layer in ("layer_0", "layer_1"):
@@ -134,6 +135,33 @@ def test_cached_sampling_equals_recomputing_the_prefix(options, temperature):
   np.testing.assert_array_equal(cached, recomputed)
   assert cached.shape == (3, 12)
   assert all(0 < len(c) <= 12 for c in continuations(cached))     # EOS may end one early
+
+
+def test_cache_rows_at_their_own_positions_equal_the_whole_model():
+  """The KV cache writes each row at its own positions, as a served batch's rows are: one
+  call writes 8 tokens of each row (past each row's length, other tokens: what a padded
+  prompt leaves), then each row steps a token at a time from its own length, overwriting
+  them. The logits are the whole model's over each row (rotary positions, grouped keys,
+  scanned layers: the cache's rows are its second axis)."""
+  cfg = lm_config(**MODERN, scan_layers=True)
+  params, model = _params(cfg), LanguageModel(cfg)
+  rows, lengths, width = _tokens(9, 3, 12), np.array([3, 7, 5]), 8
+  first = np.where(np.arange(width) < lengths[:, None], rows[:, :width], _tokens(10, 3, width))
+  whole = jax.jit(model.apply)({"params": params}, rows)
+  cached = jax.jit(lambda variables, tokens, positions: model.apply(
+      variables, tokens, positions=positions, decode=True, mutable=["cache"]))
+  variables = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
+      lambda: model.apply({"params": params}, jnp.zeros((3, cfg.max_len), jnp.int32),
+                          decode=True, mutable=["cache"])[1]))
+  logits, variables = cached({"params": params, **variables}, first,
+                             np.tile(np.arange(width), (3, 1)))
+  for b, length in enumerate(lengths):
+    assert_close(logits[b, :length], whole[b, :length], atol=1e-5)
+  for step in range(4):
+    positions = lengths + step
+    logits, variables = cached({"params": params, **variables},
+                               rows[np.arange(3), positions][:, None], positions[:, None])
+    assert_close(logits[:, 0], whole[np.arange(3), positions], atol=1e-5)
 
 
 def _task(cfg: TransformerConfig) -> LanguageModelTask:

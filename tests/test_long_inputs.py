@@ -344,8 +344,8 @@ def test_the_server_answers_long_and_messy_lines_as_predict_does(models):
   inputs = [long, "\ufeffBrown\tvisited\r\nRome .", "", " \u2028 ", "lone \ud800 ."]
   servers = []
   for model in (served, _with(served, refuse=True)):
-    handler = make_handler(model, Batcher(model, 4, 0.001), Limits(), {"name": "t"},
-                           InFlight())
+    handler = make_handler(model, Batcher(model, 4, 0.001), Limits(),
+                           {"name": "t", "version": "1"}, InFlight())
     server = Server(("127.0.0.1", 0), handler, 16)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     servers.append((server, f"http://127.0.0.1:{server.server_address[1]}"))

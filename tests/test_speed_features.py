@@ -178,8 +178,8 @@ def test_cudnn_falls_back_to_xla_off_gpu():
   expected = Transformer(_config()).apply({"params": params}, batch["src"], batch["tgt_in"])
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    from transformer_jax.modules import attention
-    attention._warn_fallback.cache_clear()
+    from transformer_jax.modules import kernels
+    kernels._warn_fallback.cache_clear()
     got = Transformer(_config(attention_impl="cudnn")).apply(
         {"params": params}, batch["src"], batch["tgt_in"])
   np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))

@@ -24,13 +24,15 @@ UNK_ID = 3
 # every logit stays finite (it adds a constant to the smoothed loss, no gradient).
 NO_TOKEN_LOGIT = -1e4
 
+# The fused attention kernels (modules/kernels.py runs them).
+KERNELS = ("pallas", "cudnn", "cudnn_dense", "splash")
 _CHOICES = {
     "norm_position": ("post", "pre"),
     "positional": ("sinusoidal", "learned", "rotary"),
     "norm_type": ("layer", "rms"),
     "activation": ("relu", "gelu", "swish", "silu"),
     "sinusoidal_layout": ("interleaved", "halves"),
-    "attention_impl": ("einsum", "xla", "cudnn", "splash", "auto"),
+    "attention_impl": ("einsum", "xla", *KERNELS, "auto"),
     "remat_policy": ("none", "full", "dots", "dots_no_batch"),
     "weight_init": ("xavier", "gpt2"),
 }
@@ -85,12 +87,18 @@ class TransformerConfig:
       <|endoftext|>): BOS reads EOS's embedding row, and the output scores only EOS and the
       text's tokens, PAD, BOS and UNK (ids such a vocabulary lacks) getting the logit
       NO_TOKEN_LOGIT, so training never moves their rows. Set by convert --from=hf_gpt2.
+    absent_ids: which of PAD, BOS and UNK an imported vocabulary has no token for (Llama's
+      has no PAD, Llama 3's no UNK either): the output scores them NO_TOKEN_LOGIT, as
+      bos_is_eos does all three, so the softmax over the real tokens is the source's.
     attention_impl: "einsum" (explicit; the only path that can return attention weights
       or apply attention dropout), "xla" (jax.nn.dot_product_attention with a dense mask),
-      the fused kernels that never write the scores, "cudnn" (NVIDIA GPUs) and "splash"
-      (TPUs), which take padding, packing and causality natively and fall back to "xla"
-      with a warning on another backend, or "auto": the fastest exact attention on the
-      platform compiled for (cudnn on NVIDIA GPUs, splash on TPUs, einsum on CPUs).
+      the fused kernels (modules/kernels.py) "pallas" (NVIDIA GPUs, self-attention),
+      "cudnn" and "cudnn_dense" (NVIDIA GPUs) and "splash" (TPUs), which fall back to
+      "xla" with a warning on another backend, or "auto": the path the platform compiled
+      for has proved exact and fastest (kernels.AUTO: einsum on NVIDIA GPUs and CPUs,
+      splash on TPUs).
+    max_segments: the most sequences a packed row holds (the packer's bound; the trainer
+      sets it from data.max_segments; 0: none given). cuDNN's packed layout is sized by it.
     dtype: compute dtype name ("float32" or "bfloat16"); parameters stay `param_dtype`.
     param_dtype: parameter storage dtype name.
     layer_norm_epsilon: LayerNorm epsilon.
@@ -133,6 +141,7 @@ class TransformerConfig:
   zero_decoder_start: bool = False
   scale_embeddings: bool = True
   bos_is_eos: bool = False
+  absent_ids: tuple[int, ...] = ()
   attention_impl: str = "xla"
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -141,6 +150,7 @@ class TransformerConfig:
   remat_policy: str = "none"
   fused_qkv: bool = False
   weight_init: str = "xavier"
+  max_segments: int = 0
 
   # ----------------------------------------------------------------------------- presets
   @classmethod
@@ -191,6 +201,11 @@ class TransformerConfig:
     return self.d_model // self.num_heads
 
   @property
+  def no_token_ids(self) -> tuple[int, ...]:
+    """The ids the output never scores (absent_ids; PAD, BOS and UNK under bos_is_eos)."""
+    return (PAD_ID, BOS_ID, UNK_ID) if self.bos_is_eos else self.absent_ids
+
+  @property
   def compute_dtype(self) -> Any:
     return _DTYPES[self.dtype]
 
@@ -207,7 +222,7 @@ class TransformerConfig:
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         fail(field, "must be a positive integer")
-    for field in ("num_encoder_layers", "num_decoder_layers"):
+    for field in ("num_encoder_layers", "num_decoder_layers", "max_segments"):
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         fail(field, "must be a non-negative integer")
@@ -227,6 +242,11 @@ class TransformerConfig:
                   "gated_ffn", "use_bias", "scale_embeddings", "bos_is_eos"):
       if not isinstance(getattr(self, field), bool):
         fail(field, "must be True or False")
+    if isinstance(self.absent_ids, list):   # as JSON gives it back
+      object.__setattr__(self, "absent_ids", tuple(self.absent_ids))
+    if (not isinstance(self.absent_ids, tuple)
+        or not set(self.absent_ids) <= {PAD_ID, BOS_ID, UNK_ID}):
+      fail("absent_ids", f"must be a tuple of PAD {PAD_ID}, BOS {BOS_ID} and UNK {UNK_ID}")
     for field, choices in _CHOICES.items():
       if getattr(self, field) not in choices:
         fail(field, f"must be one of {choices}")
@@ -243,7 +263,7 @@ class TransformerConfig:
            f"d_model / num_heads = {self.head_dim} must be even")
     if not isinstance(self.rope_theta, (int, float)) or not self.rope_theta > 0:
       fail("rope_theta", "must be a positive number")
-    if self.attention_impl in ("cudnn", "splash") and self.attention_dropout_rate > 0:
+    if self.attention_impl in KERNELS and self.attention_dropout_rate > 0:
       fail("attention_dropout_rate", f"the {self.attention_impl} kernel has no attention "
            "dropout; set it to 0, or attention_impl to 'einsum'")   # "auto": experiment.py
     for field in ("dtype", "param_dtype"):

@@ -100,9 +100,8 @@ def _stepper(model: Transformer, params: Any, src: Array, max_length: int, beams
 
 
 def _map_batch(fn: Callable[[Array], Array], cache: Any) -> Any:
-  """Applies fn to every cache array that has a batch axis (all but "cache_index")."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: x if getattr(path[-1], "key", None) == "cache_index" else fn(x), cache)
+  """Applies fn to every cache array (each has a batch axis)."""
+  return jax.tree_util.tree_map(fn, cache)
 
 
 def _ban_special(log_probs: Array) -> Array:

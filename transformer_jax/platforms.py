@@ -54,3 +54,13 @@ def skip_missing_tpu() -> None:
       # JAX registers its plugins once, on first use of a backend or topology; do it now,
       # quietly (the plugin's compiler library logs the same line).
       getattr(xla_bridge, "_discover_and_register_pjrt_plugins", lambda: None)()
+
+
+def cudnn_version() -> int | None:
+  """The version of the cuDNN library that JAX's CUDA plugin loads (e.g. 91900 for 9.19.0),
+  printed beside every GPU figure; None where there is no such plugin or library."""
+  try:
+    from jax._src.lib import cuda_versions
+    return int(cuda_versions.cudnn_get_version()) if cuda_versions else None
+  except Exception:    # the plugin's libraries missing or failing to load
+    return None

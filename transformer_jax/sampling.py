@@ -2,20 +2,26 @@
 greedy (temperature 0) or sampled, with top-k and top-p (nucleus) cuts. `generate` is what
 predict runs and what a served model exports.
 
-Rows are (B, L) buffers, L the model's max_len: BOS, the prompt, then room for the
-continuation, padded with PAD. Every row steps through the same positions together: at step
-i it feeds the token at position i (its prompt's, or the one it drew at step i - 1) and,
-past its prompt, draws position i + 1. Prompts of different lengths thus share one batch
-without padding inside the cache. Row b draws with a key of the seed and its own tokens,
-folded with the position, so its text does not depend on the rows beside it.
-With `use_cache=False` each step runs the whole model over the buffer and reads position i:
-the same outputs, recomputing the prefix (what the cache must equal; a test checks it).
+Rows are (B, P + max_new_tokens) buffers: the prompt as the model's tokenizer encodes it
+(`data.tokenizer.prompt_ids`: BOS first where its texts start with one), then room for the
+continuation, padded with PAD; P is the longest prompt kept. The KV cache is as long. The
+prompts go through the model at once (prefill: one pass over P positions, which fills the
+cache and gives each row's first token); then each step feeds every row the token it drew
+last, at that row's own position, and draws the next. Row b draws with a key of the seed and
+its own tokens, folded with the position, so its text does not depend on the rows beside it.
+With `use_cache=False` each step runs the whole model over the buffer and reads each row's
+position: the same outputs, recomputing the prefix (what the cache must equal; a test
+checks it).
+
+A served model streams with `prefill` and `step` instead (serving/streaming.py): rows of a
+decoding batch that join and leave at any step, each at its own position, each drawing as
+`generate` draws for its prompt and seed.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import jax
 import jax.numpy as jnp
@@ -26,68 +32,104 @@ from transformer_jax.inputs import InputError
 from transformer_jax.modules.models import LanguageModel
 
 Array = jax.Array
-# Never drawn: PAD ends nothing, BOS only starts a text, UNK (a character outside the
-# vocabulary) has no text.
-_BANNED = (PAD_ID, BOS_ID, UNK_ID)
 
 
-def filtered_logits(logits: Array, temperature: Array, top_k: Array, top_p: Array) -> Array:
+def banned_ids(config: TransformerConfig) -> tuple[int, ...]:
+  """The ids never drawn: PAD, which ends nothing, and the ids the vocabulary has no token
+  for. A vocabulary of this project's own never draws BOS (it only starts a text) nor UNK
+  (a character outside it: no text) either; an imported one (its absent ids given) draws
+  every token it has, its BOS and UNK tokens too, as its source's `generate` does."""
+  if config.no_token_ids:
+    return tuple(sorted({PAD_ID, *config.no_token_ids}))
+  return (PAD_ID, BOS_ID, UNK_ID)
+
+
+def _per_row(value: Any, rows: int) -> Array:
+  """A setting given once or per row (B,) as a (B, 1) column."""
+  return jnp.broadcast_to(jnp.asarray(value), (rows,))[:, None]
+
+
+def filtered_logits(logits: Array, temperature: Any, top_k: Any, top_p: Any) -> Array:
   """(B, V) float32 logits (the absent ids already -inf) / temperature, with every token
   outside the `top_k` most likely (0: no cut) and outside the smallest set whose probability
-  reaches `top_p` set to -inf.
+  reaches `top_p` set to -inf. Each setting is one value or one per row (B,).
   The cuts are thresholds on the sorted logits, so k and p are values, not shapes: one
-  compiled program serves every setting."""
+  compiled program serves every setting. The vocabulary is sorted only where a row asks for
+  a cut: on a CPU, sorting GPT-2's 50,257 tokens takes several times a draw's other work."""
+  rows, vocab = logits.shape
+  temperature, top_k, top_p = (_per_row(x, rows) for x in (temperature, top_k, top_p))
   logits = logits / temperature
-  ordered = jnp.sort(logits, axis=-1)[:, ::-1]                                  # descending
-  vocab = logits.shape[-1]
-  kth = jnp.take(ordered, jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab) - 1, axis=-1)
-  probabilities = jax.nn.softmax(ordered, axis=-1)
-  # A token is kept while the probability of the tokens before it is below top_p.
-  before = jnp.cumsum(probabilities, axis=-1) - probabilities
-  nucleus = jnp.where(before < top_p, ordered, jnp.inf).min(-1)     # the least kept logit
-  threshold = jnp.maximum(kth, nucleus)[:, None]
-  return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+  def cut(logits: Array) -> Array:
+    ordered = jnp.sort(logits, axis=-1)[:, ::-1]                                # descending
+    kth = jnp.take_along_axis(ordered, jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+                              - 1, axis=-1)
+    probabilities = jax.nn.softmax(ordered, axis=-1)
+    # A token is kept while the probability of the tokens before it is below top_p.
+    before = jnp.cumsum(probabilities, axis=-1) - probabilities
+    nucleus = jnp.where(before < top_p, ordered, jnp.inf).min(-1, keepdims=True)  # least kept
+    return jnp.where(logits >= jnp.maximum(kth, nucleus), logits, -jnp.inf)
+  return jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), cut, lambda x: x, logits)
 
 
-def _draw(logits: Array, keys: Array, position: Array, temperature: Array, top_k: Array,
-          top_p: Array) -> Array:
-  """(B, V) logits -> (B,) tokens: the argmax at temperature 0, else a draw per row."""
-  logits = logits.at[:, jnp.array(_BANNED)].set(-jnp.inf)
-  greedy = jnp.argmax(logits, -1)
-  safe_temperature = jnp.where(temperature > 0, temperature, 1.0)
-  cut = filtered_logits(logits, safe_temperature, top_k, top_p)
-  step_keys = jax.vmap(lambda key: jax.random.fold_in(key, position))(keys)
-  drawn = jax.vmap(jax.random.categorical)(step_keys, cut)
-  return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+def _draw(logits: Array, keys: Array, position: Any, temperature: Any, top_k: Any,
+          top_p: Any, banned: tuple[int, ...]) -> Array:
+  """(B, V) logits -> (B,) tokens: the argmax at temperature 0, else a draw per row with its
+  key folded with `position`, the position drawn. Settings and position: one value or one
+  per row (B,). Rows draw only where one samples: a draw's random numbers, one per token
+  of the vocabulary, cost as much as a small model's step (benchmarks/RESULTS.md, "Serving
+  a language model")."""
+  rows = logits.shape[0]
+  logits = logits.at[:, jnp.array(banned)].set(-jnp.inf)
+  greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+  temperature = _per_row(temperature, rows)[:, 0]
+
+  def sampled(logits: Array) -> Array:
+    cut = filtered_logits(logits, jnp.where(temperature > 0, temperature, 1.0), top_k, top_p)
+    step_keys = jax.vmap(jax.random.fold_in)(keys, _per_row(position, rows)[:, 0])
+    drawn = jax.vmap(jax.random.categorical)(step_keys, cut)
+    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+  return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, logits)
 
 
-def _cached_logits(model: LanguageModel, params: Any, rows: Array
-                   ) -> tuple[Any, Callable[[Any, Array, Array], tuple[Array, Any]]]:
-  """The empty cache for (B, L) rows, and step(cache, tokens (B,), i) -> logits (B, V)."""
+def _empty_cache(model: LanguageModel, params: Any, rows: Array) -> Any:
+  """The KV cache of (B, L) rows, empty (made by the model's first decode call, whose
+  output nothing reads)."""
   _, variables = model.apply({"params": params}, jnp.zeros_like(rows), decode=True,
                              mutable=["cache"])
-
-  def step(cache: Any, tokens: Array, i: Array) -> tuple[Array, Any]:
-    positions = jnp.full((tokens.shape[0], 1), i, jnp.int32)
-    logits, variables = model.apply({"params": params, "cache": cache}, tokens[:, None],
-                                    positions=positions, decode=True, mutable=["cache"])
-    return logits[:, 0], variables["cache"]
-  return variables["cache"], step
+  return variables["cache"]
 
 
-def prompt_rows(prompts: Array, width: int, context: int) -> tuple[Array, Array]:
-  """Prompt ids (B, S), right-padded with PAD, no BOS -> rows (B, width) of BOS + each
-  prompt's last context - 1 tokens, and their lengths (B,). Static shapes whatever S is
-  (an exported function has a symbolic S)."""
+def _prefill_logits(model: LanguageModel, params: Any, cache: Any, rows: Array,
+                    lengths: Array) -> tuple[Any, Array]:
+  """Prompts (B, P), each in its first `lengths` (B,) positions, through the model at once,
+  their keys and values written into `cache` at positions 0 .. P - 1: the cache, and the
+  logits (B, V) after each prompt's last token, which its first new token is drawn from."""
+  positions = jnp.broadcast_to(jnp.arange(rows.shape[1], dtype=jnp.int32), rows.shape)
+  hidden, variables = model.apply({"params": params, "cache": cache}, rows,
+                                  positions=positions, decode=True, return_hidden=True,
+                                  mutable=["cache"])
+  last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]    # (B, D)
+  return variables["cache"], cast(Array, model.apply({"params": params}, last,
+                                                     method=LanguageModel.output_logits))
+
+
+def prompt_rows(prompts: Array, width: int, context: int | Array) -> tuple[Array, Array]:
+  """Prompt ids (B, S), right-padded with PAD, as `prompt_ids` encodes them -> rows
+  (B, width) of each prompt, one longer than `context` cut to its last ids after its BOS (as
+  `data.tokenizer.prompt_tail` cuts one), an empty one BOS alone; and their lengths (B,).
+  Static shapes whatever S is (an exported function has a symbolic S)."""
   batch = prompts.shape[0]
+  prompts = prompts.astype(jnp.int32)
   count = (prompts != PAD_ID).sum(1).astype(jnp.int32)
-  keep = jnp.minimum(count, context - 1)
-  padded = jnp.concatenate([prompts.astype(jnp.int32),
-                            jnp.zeros((batch, width), jnp.int32)], 1)
-  slots = jnp.arange(width - 1)[None]
-  body = jnp.take_along_axis(padded, (count - keep)[:, None] + slots, axis=1)
-  body = jnp.where(slots < keep[:, None], body, PAD_ID)
-  return jnp.concatenate([jnp.full((batch, 1), BOS_ID, jnp.int32), body], 1), keep + 1
+  keep = jnp.minimum(count, context)
+  head = (prompts[:, :1] == BOS_ID).astype(jnp.int32)                  # (B, 1) BOS kept
+  padded = jnp.concatenate([prompts, jnp.zeros((batch, width), jnp.int32)], 1)
+  slots = jnp.arange(width)[None]
+  taken = jnp.where(slots < head, slots, (count - keep)[:, None] + slots)
+  rows = jnp.where(slots < keep[:, None], jnp.take_along_axis(padded, taken, axis=1), PAD_ID)
+  rows = rows.at[:, 0].set(jnp.where(count > 0, rows[:, 0], BOS_ID))
+  return rows, jnp.maximum(keep, 1)
 
 
 def prompt_keys(seed: Array, rows: Array) -> Array:
@@ -103,49 +145,59 @@ def prompt_keys(seed: Array, rows: Array) -> Array:
 def continue_rows(model: LanguageModel, params: Any, rows: Array, lengths: Array,
                   keys: Array, max_new_tokens: int, temperature: Array, top_k: Array,
                   top_p: Array, use_cache: bool = True) -> Array:
-  """rows (B, L): BOS + prompt in the first `lengths` (B,) positions, lengths + max_new_tokens
-  <= L. Returns the rows with `max_new_tokens` tokens drawn after each prompt; a row that
-  draws EOS stops there (PAD after it)."""
+  """rows (B, P + max_new_tokens): each prompt in its first `lengths` (B,) <= P positions.
+  Returns the (B, max_new_tokens) tokens drawn after each prompt; a row that draws EOS
+  stops there (PAD after it), and the loop ends once every row has. The prompts go through
+  the model at once, filling the cache (prefill); then each `step` feeds every row its last
+  token at its own position. Without the cache each step runs the whole model over the rows
+  (what the cache must equal)."""
   batch, width = rows.shape
-  ends = lengths + max_new_tokens                                      # (B,) exclusive
-  last_step = ends.max() - 1
-
+  settings = (temperature, top_k, top_p)
   if use_cache:
-    carry, cached_step = _cached_logits(model, params, rows)
+    cache, logits = _prefill_logits(model, params, _empty_cache(model, params, rows),
+                                    rows[:, :width - max_new_tokens], lengths)
   else:
-    carry = None
+    cache, logits = None, _logits_at(cast(Array, model.apply({"params": params}, rows)),
+                                     lengths - 1)
+  first = _draw(logits, keys, lengths, *settings, banned_ids(model.config))
 
   def body(state: tuple) -> tuple:
-    i, rows, finished, carry = state
+    k, cache, rows, token, finished, out = state
+    at = lengths + k - 1                            # (B,) where `token`, drawn last, goes
     if use_cache:
-      logits, carry = cached_step(carry, rows[:, i], i)
+      cache, drawn = step(model, params, cache, token, at, keys, *settings)
     else:
-      logits = jax.lax.dynamic_index_in_dim(model.apply({"params": params}, rows), i, 1,
-                                            keepdims=False)
-    token = _draw(logits, keys, i + 1, temperature, top_k, top_p)
-    drawing = (i + 1 >= lengths) & (i + 1 < ends)
-    token = jnp.where(finished, PAD_ID, token)
-    rows = jnp.where(drawing[:, None] & (jnp.arange(width) == i + 1)[None], token[:, None], rows)
-    finished = finished | (drawing & (token == EOS_ID))
-    return i + 1, rows, finished, carry
+      rows = rows.at[jnp.arange(batch), at].set(token)
+      drawn = _draw(_logits_at(cast(Array, model.apply({"params": params}, rows)), at), keys,
+                    at + 1, *settings, banned_ids(model.config))
+    drawn = jnp.where(finished, PAD_ID, drawn)
+    return k + 1, cache, rows, drawn, finished | (drawn == EOS_ID), out.at[:, k].set(drawn)
 
-  state = (jnp.array(0), rows, jnp.zeros((batch,), bool), carry)
-  return jax.lax.while_loop(lambda s: s[0] < last_step, body, state)[1]
+  out = jnp.full((batch, max_new_tokens), PAD_ID, jnp.int32).at[:, 0].set(first)
+  state = (jnp.array(1), cache, rows, first, first == EOS_ID, out)
+  return jax.lax.while_loop(lambda s: (s[0] < max_new_tokens) & ~s[4].all(), body, state)[5]
+
+
+def _logits_at(logits: Array, positions: Array) -> Array:
+  """(B, L, V) logits -> (B, V): each row's at its position (B,)."""
+  return jnp.take_along_axis(logits, positions[:, None, None], axis=1)[:, 0]
 
 
 def generate(model: LanguageModel, params: Any, prompts: Array, max_new_tokens: int,
              temperature: Any, top_k: Any, top_p: Any, seed: Any,
              use_cache: bool = True) -> Array:
-  """Prompt ids (B, S) (right-padded, no BOS) -> (B, max_new_tokens) continuation ids, PAD
-  after an EOS. The context is the model's max_len: a prompt keeps its last
-  max_len - max_new_tokens - 1 tokens after BOS. Traceable with symbolic B and S."""
-  width = model.config.max_len
-  rows, lengths = prompt_rows(prompts, width, width - max_new_tokens)
+  """Prompt ids (B, S) (right-padded, as `prompt_ids` encodes them) -> (B, max_new_tokens)
+  continuation ids, PAD after an EOS. The context is the model's max_len: a prompt keeps its
+  last max_len - max_new_tokens ids (after its BOS). Traceable with symbolic B and S."""
+  context = model.config.max_len - max_new_tokens
+  width = prompts.shape[1]
+  if isinstance(width, int):   # the longest prompt kept (an exported function's S is symbolic)
+    width = max(1, min(width, context))
+  rows, lengths = prompt_rows(prompts, width + max_new_tokens, context)
   keys = prompt_keys(jnp.asarray(seed, jnp.uint32), rows)
-  rows = continue_rows(model, params, rows, lengths, keys, max_new_tokens,
+  return continue_rows(model, params, rows, lengths, keys, max_new_tokens,
                        jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
                        jnp.asarray(top_p, jnp.float32), use_cache)
-  return jnp.take_along_axis(rows, lengths[:, None] + jnp.arange(max_new_tokens)[None], 1)
 
 
 @functools.lru_cache(maxsize=16)
@@ -161,12 +213,45 @@ def compiled_generate(config: TransformerConfig, max_new_tokens: int,
   return jax.jit(run)
 
 
+# -------------------------------------------------------------- a served decoding batch
+def prefill(model: LanguageModel, params: Any, prompts: Array, max_new_tokens: Array,
+            seeds: Array, choices: Array, temperature: Array, top_k: Array,
+            top_p: Array) -> tuple[Any, Array, Array, Array]:
+  """New rows of a served model's decoding batch (serving/streaming.py), started as
+  `generate` starts its rows: prompts (R, S) as `prompt_ids` encodes them, right-padded,
+  each cut to the context its max_new_tokens (R,) leave -> each row's cache over its S
+  positions, its first token, its length (where that token goes) and its key, of its seed
+  (R,) and its prompt: a served choice draws what predict draws at the same seed. Choice
+  c > 0 of a prompt (a request's n) folds c into its key. Settings: one per row (R,)."""
+  width = prompts.shape[1]
+  rows, lengths = prompt_rows(prompts, width, model.config.max_len - max_new_tokens)
+  keys = jax.vmap(lambda seed, row: prompt_keys(seed, row[None])[0])(
+      seeds.astype(jnp.uint32), rows)
+  keys = jnp.where((choices > 0)[:, None], jax.vmap(jax.random.fold_in)(keys, choices), keys)
+  cache, logits = _prefill_logits(model, params, _empty_cache(model, params, rows), rows,
+                                  lengths)
+  first = _draw(logits, keys, lengths, temperature, top_k, top_p, banned_ids(model.config))
+  return cache, first, lengths, keys
+
+
+def step(model: LanguageModel, params: Any, cache: Any, tokens: Array, positions: Array,
+         keys: Array, temperature: Array, top_k: Array, top_p: Array) -> tuple[Any, Array]:
+  """One step of a served decoding batch: each row feeds its last token (B,) at its own
+  position (B,) and draws the next with its key folded with that token's position, as
+  `generate` draws it. Settings: one per row (B,)."""
+  logits, variables = model.apply({"params": params, "cache": cache}, tokens[:, None],
+                                  positions=positions[:, None], decode=True,
+                                  mutable=["cache"])
+  return variables["cache"], _draw(logits[:, 0], keys, positions + 1, temperature, top_k,
+                                   top_p, banned_ids(model.config))
+
+
 def check_room(config: TransformerConfig, max_new_tokens: int) -> None:
-  """max_new_tokens must leave the prompt's BOS room in the model's context."""
+  """max_new_tokens must leave a prompt's first token (BOS) room in the model's context."""
   if max_new_tokens >= config.max_len:
     raise InputError(f"max_new_tokens={max_new_tokens}: the model's context is "
-                     f"max_len={config.max_len} tokens, the prompt's BOS among them; ask for "
-                     f"at most {config.max_len - 1}")
+                     f"max_len={config.max_len} tokens, the prompt's first among them; ask "
+                     f"for at most {config.max_len - 1}")
 
 
 def continuations(out: Any) -> list[list[int]]:

@@ -12,10 +12,10 @@ from typing import Iterator, NamedTuple
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = (.*?) ([a-z][\w\-]*)\((.*)$")
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
+OP_NAME = re.compile(r'op_name="([^"]*)"')
 _WHILE = re.compile(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)")
 _LOOP_BOUND = re.compile(r"^\s+%?[\w.\-]+ = s32\[\]\S* constant\((\d+)\)")
-_ARRAY = re.compile(r"\b(pred|[su](?:4|8|16|32|64)|bf16|f8\w*|f16|f32|f64)\[([\d,]*)\]")
+ARRAY = re.compile(r"\b(pred|[su](?:4|8|16|32|64)|bf16|f8\w*|f16|f32|f64)\[([\d,]*)\]")
 _ELEMENT_BITS = {"pred": 8, "bf16": 16, "f16": 16, "f32": 32, "f64": 64}
 # Collectives by the name they are reported under; an asynchronous "-start" counts as the
 # operation (its "-done" moves nothing more).
@@ -39,6 +39,27 @@ def kernel_calls(hlo_text: str) -> dict[str, int]:
     if target.startswith(_KERNEL_TARGETS):
       counts[target] = counts.get(target, 0) + 1
   return counts
+
+
+_CUDNN_CALL = re.compile(r"= \(([^=]*)\) custom-call\(.*custom_call_target=\"__cudnn\$")
+_WORKSPACE = re.compile(r"u8\[(\d+)\]")
+
+
+def cudnn_workspaces(hlo_text: str) -> list[int]:
+  """The workspace bytes of each cuDNN custom call (its last output, u8[N]): sized by cuDNN
+  when XLA builds the call's graph on a GPU, 0 in a compile without one."""
+  sizes = []
+  for line in hlo_text.splitlines():
+    call = _CUDNN_CALL.search(line)
+    workspace = _WORKSPACE.findall(call.group(1)) if call else []
+    if workspace:
+      sizes.append(int(workspace[-1]))
+  return sizes
+
+
+def unsized_cudnn_workspaces(hlo_text: str) -> bool:
+  """Whether the module calls cuDNN with workspaces it could not size (a compile-only plan)."""
+  return 0 in cudnn_workspaces(hlo_text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +92,7 @@ def _trip_count(condition: list[str]) -> int | None:
   return None
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+def computations_of(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
   """The module's computations (name -> instruction lines) and the entry's name."""
   computations: dict[str, list[str]] = {}
   entry = current = None
@@ -86,7 +107,7 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
   return computations, entry
 
 
-class _Instruction(NamedTuple):
+class Instruction(NamedTuple):
   shape: str          # the result's shape text
   opcode: str
   rest: str           # the rest of the line: operands, attributes, metadata
@@ -94,13 +115,13 @@ class _Instruction(NamedTuple):
   unknown_trips: bool = False   # a while loop whose trip count could not be read
 
 
-def _instructions(hlo_text: str) -> Iterator[_Instruction]:
+def instructions(hlo_text: str) -> Iterator[Instruction]:
   """Each instruction the entry computation runs, through loop bodies (a body's
   instructions run once per iteration; a loop without a readable trip count, once, and the
   loop itself says so in `unknown_trips`)."""
-  computations, entry = _computations(hlo_text)
+  computations, entry = computations_of(hlo_text)
 
-  def walk(name: str, times: int) -> Iterator[_Instruction]:
+  def walk(name: str, times: int) -> Iterator[Instruction]:
     for line in computations.get(name, []):
       instruction = _INSTRUCTION.match(line)
       if not instruction:
@@ -109,10 +130,10 @@ def _instructions(hlo_text: str) -> Iterator[_Instruction]:
       loop = _WHILE.search(rest) if opcode == "while" else None
       if loop:
         trips = _trip_count(computations.get(loop.group(1), []))
-        yield _Instruction(shape, "while", rest, times, unknown_trips=trips is None)
+        yield Instruction(shape, "while", rest, times, unknown_trips=trips is None)
         yield from walk(loop.group(2), times * (trips or 1))
       else:
-        yield _Instruction(shape, opcode, rest, times)
+        yield Instruction(shape, opcode, rest, times)
 
   if entry is not None:
     yield from walk(entry, 1)
@@ -126,14 +147,14 @@ def op_breakdown(hlo_text: str) -> OpBreakdown:
   "encoder/layer_N/feed_forward/wi/dot_general" is that matmul in every layer."""
   groups: dict[str, int] = {}
   once, unknown = 0, 0
-  for instruction in _instructions(hlo_text):
+  for instruction in instructions(hlo_text):
     _, opcode, rest, times, unknown_trips = instruction
     if opcode == "while":
       unknown += unknown_trips
       continue
     cycles = _CYCLES.search(rest)
     if cycles:
-      op = _OP_NAME.search(rest)
+      op = OP_NAME.search(rest)
       key = re.sub(r"layer_\d+", "layer_N", op.group(1) if op else opcode)
       key = re.sub(r"^jit\([^)]*\)/", "", key)
       groups[key] = groups.get(key, 0) + int(cycles.group(1)) * times
@@ -142,7 +163,7 @@ def op_breakdown(hlo_text: str) -> OpBreakdown:
   return OpBreakdown(sum(groups.values()), once, ranked, unknown)
 
 
-def _bytes(element: str, dims: str) -> int:
+def array_bytes(element: str, dims: str) -> int:
   bits = _ELEMENT_BITS.get(element) or int(re.sub(r"\D", "", element)[:2] or 8)
   return math.prod(int(d) for d in dims.split(",") if d) * bits // 8
 
@@ -154,17 +175,17 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
   context scalars): only the result half is counted. A fusion that calls a collective
   (the TPU's "all-reduce-scatter" fusions) counts as that collective."""
   found: dict[str, int] = {}
-  for shape, opcode, rest, times, _ in _instructions(hlo_text):
+  for shape, opcode, rest, times, _ in instructions(hlo_text):
     kind = opcode.removesuffix("-start")
     fused = _FUSED_COLLECTIVE.search(rest) if opcode == "fusion" else None
     if fused:
       kind = _FUSED_KIND.get(fused.group(1), fused.group(1))
     elif kind not in COLLECTIVES:
       continue
-    arrays = [a for a in _ARRAY.findall(shape) if a[1] or a[0] not in ("u32", "s32")]
+    arrays = [a for a in ARRAY.findall(shape) if a[1] or a[0] not in ("u32", "s32")]
     if opcode.endswith("-start") and kind != "all-reduce":
       arrays = arrays[len(arrays) // 2:]
     for element, dims in arrays:
       key = f"{kind} {element}"
-      found[key] = found.get(key, 0) + _bytes(element, dims) * times
+      found[key] = found.get(key, 0) + array_bytes(element, dims) * times
   return dict(sorted(found.items()))

@@ -14,8 +14,15 @@ import jax
 
 from transformer_jax import sharding
 from transformer_jax.accelerators import GiB, compiled_memory
-from transformer_jax.aot.hlo_cost import NO_BREAKDOWN, collective_bytes, kernel_calls, op_breakdown
+from transformer_jax.aot.hlo_cost import (
+  NO_BREAKDOWN,
+  collective_bytes,
+  kernel_calls,
+  op_breakdown,
+  unsized_cudnn_workspaces,
+)
 from transformer_jax.aot.programs import Program, RunSettings
+from transformer_jax.aot.roofline import breakdown as families_by_roofline
 from transformer_jax.aot.targets import Topology, tracing_for
 
 ESTIMATE_NOTE = ("estimated step time, tokens/s and MFU are XLA's TPU cost-model estimates "
@@ -38,6 +45,9 @@ _GPU_FALLBACKS = {
     _TRITON_TILING: ({"xla_gpu_enable_triton_gemm": False}, TRITON_OFF_NOTE),
     _NO_CUDA_RUNTIME: ({"xla_gpu_enable_cub_radix_sort": False}, CUB_SORT_OFF_NOTE),
 }
+CUDNN_WORKSPACE_NOTE = ("cuDNN's attention calls are planned with 0-byte workspaces: cuDNN "
+                        "sizes them when XLA builds its graphs on the GPU, so the GPU's own "
+                        "compile needs more (benchmarks/train_step.py reports them there)")
 ROOFLINE_WITHOUT_COST = ("roofline from the model FLOPs at peak or the arguments and outputs "
                          "at HBM bandwidth (no compiled FLOPs or bytes)")
 KERNELS_UNPRICED = ("calls fused kernels ({kernels}) whose work XLA's cost model does not "
@@ -77,9 +87,11 @@ class CompileReport:
   # Bytes of each collective's results per chip and call, "kind element-type" -> bytes
   # (hlo_cost.collective_bytes); {} for a program without collectives.
   collectives: dict[str, int] | None = None
+  # GPU targets: the kernels' time by family, our roofline estimate (aot/roofline.py).
+  kernel_families: list[dict[str, Any]] | None = None
 
   _OPTIONAL = ("output_bytes", "alias_bytes", "generated_code_bytes", "xla_error", "note",
-               "top_ops", "collectives")
+               "top_ops", "collectives", "kernel_families")
 
   def to_dict(self) -> dict[str, Any]:
     """The JSON form: the optional fields only where present."""
@@ -159,6 +171,9 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
   # The optimized module: megabytes of text for the WMT14 models, parsed in about a second.
   hlo_text = compiled.as_text()
   kernels = kernel_calls(hlo_text)
+  gpu = topology.chip.platform == "cuda"
+  if gpu and unsized_cudnn_workspaces(hlo_text):
+    notes.append(CUDNN_WORKSPACE_NOTE)
   if kernels:     # A step time without the kernels' work would be too fast, not an estimate.
     seconds = None
     notes.append(KERNELS_UNPRICED.format(kernels=", ".join(
@@ -212,7 +227,9 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
       top_ops=([{"op": op, "share": cycles / breakdown.total_cycles}
                 for op, cycles in breakdown.ops[:top_ops]]
                if top_ops and breakdown.total_cycles else None),
-      collectives=collective_bytes(hlo_text))
+      collectives=collective_bytes(hlo_text),
+      kernel_families=([f.to_dict() for f in families_by_roofline(
+          hlo_text, chip.peak_flops, chip.hbm_bandwidth)] if gpu else None))
 
 
 def _gib(n: float | None) -> str:
@@ -265,6 +282,14 @@ def format_report(header: str, results: dict[str, CompileReport],
       lines.append(f"{n}: the operations XLA's cost model estimates to take the most time "
                    "(share of its per-instruction estimates, all layers together)")
       lines += [f"  {100 * t['share']:5.1f}%  {t['op']}" for t in results[n].top_ops or []]
+  for n in names:
+    families = results[n].kernel_families
+    if families:
+      total = sum(f["estimated_ms"] for f in families)
+      lines.append(f"{n}: kernel time by family [our roofline estimate, not a measurement: "
+                   f"each kernel's bytes at HBM bandwidth or FLOPs at peak; {total:.1f} ms]")
+      lines += [f"  {f['estimated_ms']:7.2f} ms {100 * f['estimated_ms'] / total:5.1f}%  "
+                f"{f['kernels']:5d} kernels  {f['family']}" for f in families]
   for n in names:
     collectives = results[n].collectives
     if collectives:

@@ -15,11 +15,11 @@ def define_flags() -> None:
   define some of the same names)."""
   flags.DEFINE_enum("from", None, list(FORMATS), "Import this format.")
   flags.DEFINE_enum("to", None, list(FORMATS), "Export to this format.")
-  flags.DEFINE_string("input", None, "Import: a MarianMT or GPT-2 save_pretrained directory "
-                      "(hf_gpt2: or a Hugging Face Hub model, e.g. gpt2), or a torch "
-                      "state_dict file (.safetensors, or .pt with --allow_pickle).")
-  flags.DEFINE_string("output", None, "Export: the directory (hf_marian, hf_gpt2) or file "
-                      "(torch: .safetensors, else torch.save) to write.")
+  flags.DEFINE_string("input", None, "Import: a MarianMT, GPT-2 or Llama save_pretrained "
+                      "directory (hf_gpt2, hf_llama: or a Hugging Face Hub model, e.g. gpt2), "
+                      "or a torch state_dict file (.safetensors, or .pt with --allow_pickle).")
+  flags.DEFINE_string("output", None, "Export: the directory (hf_marian, hf_gpt2, hf_llama) or "
+                      "file (torch: .safetensors, else torch.save) to write.")
   flags.DEFINE_string("workdir", None, "Import: where to write the parameter snapshot "
                       "exports/<name>; export: whose newest model to convert.")
   flags.DEFINE_string("checkpoint", None, "Export this parameter snapshot or checkpoint "

@@ -39,19 +39,19 @@ def write_json(path: str, content: dict) -> None:
 
 
 def read_state_dict(path: str, allow_pickle: bool) -> dict[str, np.ndarray]:
-  """Tensors of a .safetensors file (numpy, no torch) or, with allow_pickle, of a torch
-  pickle read with `torch.load(weights_only=True)`; float32 numpy arrays."""
+  """Tensors of a .safetensors file (through JAX: numpy has no bfloat16, the dtype of most
+  uploads; no torch needed) or, with allow_pickle, of a torch pickle read with
+  `torch.load(weights_only=True)`; float32 numpy arrays."""
   if path.endswith(".safetensors"):
-    from safetensors.numpy import load_file
-    tensors = load_file(path)
-  elif not allow_pickle:
+    from safetensors import safe_open
+    with safe_open(path, framework="flax") as f:
+      return {k: np.asarray(f.get_tensor(k), np.float32) for k in f.keys()}
+  if not allow_pickle:
     raise ConvertError(f"{path} is a pickle; pass --allow_pickle to read it (with "
                        "torch.load(weights_only=True)), or convert it to safetensors")
-  else:
-    import torch
-    loaded = torch.load(path, map_location="cpu", weights_only=True)
-    tensors = {k: v.float().numpy() for k, v in loaded.items()}
-  return {k: np.asarray(v, np.float32) for k, v in tensors.items()}
+  import torch
+  loaded = torch.load(path, map_location="cpu", weights_only=True)
+  return {k: v.float().numpy() for k, v in loaded.items()}
 
 
 def write_state_dict(path: str, state: dict[str, np.ndarray]) -> None:

@@ -13,7 +13,7 @@ from typing import Callable
 
 from transformer_jax import checkpoint
 from transformer_jax import params as param_utils
-from transformer_jax.convert import gpt2, torch_transformer
+from transformer_jax.convert import gpt2, llama, torch_transformer
 from transformer_jax.convert.files import (
   Imported,
   OurModel,
@@ -85,6 +85,11 @@ FORMATS = {
     "hf_gpt2": Format(_hf_directory(gpt2.import_gpt2), _with_notes(gpt2.write_hf_gpt2),
                       input_is_directory=True, output_is_directory=True,
                       task=LanguageModelTask.name, hub_files=gpt2.HUB_FILES),
+    # Hugging Face Llama (LlamaForCausalLM, MistralForCausalLM without a sliding window, and
+    # their tokenizer.json): a save_pretrained directory, or a model of the Hub.
+    "hf_llama": Format(_hf_directory(llama.import_llama), _with_notes(llama.write_hf_llama),
+                       input_is_directory=True, output_is_directory=True,
+                       task=LanguageModelTask.name, hub_files=llama.HUB_FILES),
     # torch.nn.Transformer (benchmarks.torch_reference): a state_dict file.
     "torch": Format(_read_torch, _write_torch, input_is_directory=False,
                     output_is_directory=False, needs_like=True),

@@ -7,7 +7,8 @@ GELU (the tanh form, "gelu_new"), biases, the output projection tied to token em
 that are not scaled (scale_embeddings=False), and its one special token, <|endoftext|>, as
 EOS and BOS both (bos_is_eos). The ids are the tokenizer's (data/byte_bpe.py): ours are
 GPT-2's + 4, <|endoftext|> is EOS 2; an import adds zero embedding rows for PAD 0, BOS 1
-and UNK 3 (never read, never scored), an export drops them.
+and UNK 3 (never read, never scored), an export drops them (convert/hf_lm.py). A prompt
+starts without BOS, as GPT2Tokenizer encodes it.
 
 GPT-2's Conv1D layers keep (in, out) weights, our kernels' layout: only the fused
 query-key-value projection (c_attn) is split, and head axes are folded in and out.
@@ -16,14 +17,12 @@ query-key-value projection (c_attn) is split, and head axes are folded in and ou
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 import numpy as np
 
 from transformer_jax import trees
 from transformer_jax.config import TransformerConfig
-from transformer_jax.convert.files import Imported, OurModel, read_json, write_json
 from transformer_jax.convert.hf import (
   ACTIVATIONS,
   activation_from_hf,
@@ -32,13 +31,18 @@ from transformer_jax.convert.hf import (
   need_file,
   optional_json,
   our_config,
-  read_weights,
-  special_piece,
-  write_weights,
 )
-from transformer_jax.convert.tensors import ConvertError, check_shape, expected_shapes
+from transformer_jax.convert.hf_lm import (
+  Family,
+  StateDict,
+  check_vocabulary,
+  rows_to_ours,
+  rows_to_theirs,
+  tokenizer_problem,
+)
+from transformer_jax.convert.tensors import ConvertError, expected_shapes
 from transformer_jax.data.byte_bpe import END_OF_TEXT, ByteLevelBPE
-from transformer_jax.errors import UserError
+from transformer_jax.data.hf_tokenizer import HFTokenizer, special_piece
 
 LAYOUT = ("a GPT-2 save_pretrained directory has config.json, model.safetensors and "
           "tokenizer.json (or vocab.json and merges.txt)")
@@ -54,24 +58,17 @@ _GPT2_SHAPE: tuple[tuple[str, Any], ...] = (
     ("gated_ffn", False), ("use_bias", True), ("tie_output", True), ("scale_embeddings", False),
     ("bos_is_eos", True), ("final_logits_bias", False), ("zero_decoder_start", False))
 _PREFIX = "transformer."   # GPT2LMHeadModel's; GPT2Model's checkpoints (the Hub's gpt2) lack it
-_BUFFERS = re.compile(r"h\.\d+\.attn\.(masked_)?bias$")   # causal masks older files keep
+_BUFFERS = r"^h\.\d+\.attn\.(masked_)?bias$"   # causal masks older files keep
 _QKV = ("query", "key", "value")
 
 
 # ------------------------------------------------------------------------- config
-def config_from_hf(hf: dict, tokenizer: ByteLevelBPE, source: str) -> TransformerConfig:
+def config_from_hf(hf: dict, tokenizer: HFTokenizer, source: str) -> TransformerConfig:
   """Our config for GPT-2's config.json; refuses, naming it, an option we lack."""
   if hf.get("model_type") != "gpt2":
     raise ConvertError(f"{source}: model_type={hf.get('model_type')!r}; only 'gpt2' converts")
   check_options(hf, _MUST_BE, source)
-  for name in ("bos_token_id", "eos_token_id"):
-    if hf.get(name, tokenizer.end_id) != tokenizer.end_id:
-      raise ConvertError(f"{source}: {name}={hf[name]} is not the tokenizer's "
-                         f"{tokenizer.end_token} ({tokenizer.end_id}), which starts and ends "
-                         "texts here")
-  if hf.get("vocab_size") != tokenizer.size:
-    raise ConvertError(f"{source}: vocab_size={hf.get('vocab_size')}, but the tokenizer has "
-                       f"{tokenizer.size} tokens")
+  check_vocabulary(hf, tokenizer, source)
   activation = activation_from_hf(hf.get("activation_function", "gelu_new"), source)
   return our_config(source, lambda: dict(
       vocab_size=tokenizer.vocab_size, d_model=hf["n_embd"], num_heads=hf["n_head"],
@@ -82,7 +79,7 @@ def config_from_hf(hf: dict, tokenizer: ByteLevelBPE, source: str) -> Transforme
       layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)), **dict(_GPT2_SHAPE)))
 
 
-def hf_config(cfg: TransformerConfig, tokenizer: ByteLevelBPE) -> dict:
+def hf_config(cfg: TransformerConfig, tokenizer: HFTokenizer) -> dict:
   """config.json of a GPT2LMHeadModel computing our model."""
   return {
       "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -105,10 +102,7 @@ def incompatibility(cfg: TransformerConfig, tokenizer: object) -> str | None:
   if cfg.kv_heads != cfg.num_heads:
     return (f"model.num_kv_heads={cfg.num_kv_heads}: GPT-2 has as many key/value heads as "
             "query heads")
-  if not isinstance(tokenizer, ByteLevelBPE):
-    return (f"tokenizer kind {getattr(tokenizer, 'kind', None)!r}: GPT2Tokenizer is a "
-            "byte-level BPE (an import's tokenizer)")
-  return None
+  return tokenizer_problem(cfg, tokenizer, ByteLevelBPE, "GPT2Tokenizer is a byte-level BPE")
 
 
 # ------------------------------------------------------------------------- tensors
@@ -134,49 +128,33 @@ def _names(cfg: TransformerConfig) -> list[tuple[str, str]]:
 
 
 def state_to_params(state: dict[str, np.ndarray], cfg: TransformerConfig,
-                    tokenizer: ByteLevelBPE, source: str) -> dict:
+                    tokenizer: HFTokenizer, source: str) -> dict:
   """Our parameter tree from GPT-2's state_dict; names the first missing, unexpected or
   mis-shaped tensor."""
-  state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
+  tensors = StateDict(state, source, _PREFIX, skipped=_BUFFERS)
   shapes = expected_shapes(cfg, decoder_only=True)
-  used: set[str] = set()
-
-  def take(key: str, shape: tuple[int, ...]) -> np.ndarray:
-    if key not in state:
-      raise ConvertError(f"{source}: missing tensor {key}")
-    check_shape(key, state[key], shape, source)
-    used.add(key)
-    return state[key]
-
   params: dict = {}
   for ours, key in _names(cfg):
-    trees.set_path(params, ours, take(key, _their_shape(shapes[ours])).reshape(shapes[ours]))
+    trees.set_path(params, ours,
+                   tensors.take(key, _their_shape(shapes[ours])).reshape(shapes[ours]))
   d = cfg.d_model
   for i in range(cfg.num_decoder_layers):
-    kernel = np.split(take(f"h.{i}.attn.c_attn.weight", (d, 3 * d)), 3, axis=1)
-    bias = np.split(take(f"h.{i}.attn.c_attn.bias", (3 * d,)), 3)
+    kernel = np.split(tensors.take(f"h.{i}.attn.c_attn.weight", (d, 3 * d)), 3, axis=1)
+    bias = np.split(tensors.take(f"h.{i}.attn.c_attn.bias", (3 * d,)), 3)
     for name, k, b in zip(_QKV, kernel, bias):
       mine = f"decoder/layer_{i}/self_attention/{name}"
       trees.set_path(params, f"{mine}/kernel", k.reshape(shapes[f"{mine}/kernel"]))
       trees.set_path(params, f"{mine}/bias", b.reshape(shapes[f"{mine}/bias"]))
-  wte = take("wte.weight", (tokenizer.size, d))
-  table = np.zeros((cfg.vocab_size, d), np.float32)     # PAD, BOS, UNK: zero rows
-  table[tokenizer.to_ours(np.arange(tokenizer.size))] = wte
-  trees.set_path(params, "embedding/embedding", table)
-  if "lm_head.weight" in state:
-    used.add("lm_head.weight")
-    if not np.array_equal(state["lm_head.weight"], wte):
-      raise ConvertError(f"{source}: lm_head.weight differs from wte.weight: untied output "
-                         "embeddings are an option this project lacks")
-  unexpected = sorted(k for k in set(state) - used if not _BUFFERS.match(k))
-  if unexpected:
-    raise ConvertError(f"{source}: unexpected tensor {unexpected[0]} ({len(unexpected)} in "
-                       "all): an option this project lacks")
+  wte = tensors.take("wte.weight", (tokenizer.size, d))
+  trees.set_path(params, "embedding/embedding", rows_to_ours(wte, tokenizer))
+  tensors.tied_output("lm_head.weight", "wte.weight",
+                      "untied output embeddings are an option this project lacks")
+  tensors.check_all_taken()
   return params
 
 
 def params_to_state(params: dict, cfg: TransformerConfig,
-                    tokenizer: ByteLevelBPE) -> dict[str, np.ndarray]:
+                    tokenizer: HFTokenizer) -> dict[str, np.ndarray]:
   """GPT2LMHeadModel's state_dict (numpy) of our unrolled, separate-QKV parameters; the
   output projection is tied to wte, as transformers saves it."""
   flat = {k: np.asarray(v, np.float32) for k, v in trees.flatten(params).items()}
@@ -187,8 +165,7 @@ def params_to_state(params: dict, cfg: TransformerConfig,
         [flat[f"{mine}/{q}/kernel"].reshape(cfg.d_model, -1) for q in _QKV], axis=1)
     state[f"h.{i}.attn.c_attn.bias"] = np.concatenate(
         [flat[f"{mine}/{q}/bias"].reshape(-1) for q in _QKV])
-  table = flat["embedding/embedding"]
-  state["wte.weight"] = table[tokenizer.to_ours(np.arange(tokenizer.size))]
+  state["wte.weight"] = rows_to_theirs(flat["embedding/embedding"], tokenizer)
   return {_PREFIX + k: np.ascontiguousarray(v) for k, v in state.items()}
 
 
@@ -197,49 +174,20 @@ def read_tokenizer(directory: str) -> ByteLevelBPE:
   """The directory's GPT-2 tokenizer: tokenizer.json, else vocab.json and merges.txt."""
   config = optional_json(directory, "tokenizer_config.json")
   end = special_piece(config, "eos_token", END_OF_TEXT)
-  try:
-    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
-      with open(os.path.join(directory, "tokenizer.json"), encoding="utf-8") as f:
-        return ByteLevelBPE(f.read(), end)
-    return ByteLevelBPE.from_files(need_file(directory, "vocab.json", LAYOUT),
-                                   need_file(directory, "merges.txt", LAYOUT),
-                                   bool(config.get("add_prefix_space", False)), end)
-  except ConvertError:
-    raise
-  except UserError as e:
-    raise ConvertError(f"{directory}: {e}") from None
+  assert end is not None
+  if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+    with open(os.path.join(directory, "tokenizer.json"), encoding="utf-8") as f:
+      return ByteLevelBPE(f.read(), end)
+  return ByteLevelBPE.from_files(need_file(directory, "vocab.json", LAYOUT),
+                                 need_file(directory, "merges.txt", LAYOUT),
+                                 bool(config.get("add_prefix_space", False)), end)
 
 
-def import_gpt2(directory: str, allow_pickle: bool = False) -> Imported:
-  """(config, params, run config, tokenizer, tokenizer) of a GPT-2 save_pretrained
-  directory."""
-  hf = read_json(need_file(directory, "config.json", LAYOUT))
-  tokenizer = read_tokenizer(directory)
-  cfg = config_from_hf(hf, tokenizer, os.path.join(directory, "config.json"))
-  weights, state = read_weights(directory, allow_pickle)
-  params = state_to_params(state, cfg, tokenizer, weights)
-  run_config = {"task": "lm", "model": cfg.to_dict(),
-                # Greedy, as GPT-2's generate() is by default; room for a prompt as long.
-                "decode": {"temperature": 0.0, "max_new_tokens": min(200, cfg.max_len // 2)},
-                "converted_from": {"format": "hf_gpt2", "path": os.path.abspath(directory)}}
-  return cfg, params, run_config, tokenizer, tokenizer
+FAMILY = Family("hf_gpt2", "GPT-2", LAYOUT, read_tokenizer, config_from_hf, state_to_params,
+                incompatibility, hf_config, params_to_state)
 
 
-def write_hf_gpt2(model: OurModel, output: str) -> str:
-  """Writes `model` as a GPT-2 save_pretrained directory at `output` (absent or empty),
-  which GPT2LMHeadModel and GPT2Tokenizer (AutoTokenizer) load; returns notes ("")."""
-  cfg, tokenizer = model.config, model.record.assets.tokenizer
-  problem = incompatibility(cfg, tokenizer)
-  if problem:
-    raise ConvertError(f"{model.path}: cannot export to GPT-2: {problem}")
-  os.makedirs(output, exist_ok=True)
-  write_weights(output, params_to_state(model.params, cfg, tokenizer))
-  end = tokenizer.end_token
-  write_json(os.path.join(output, "config.json"), hf_config(cfg, tokenizer))
-  write_json(os.path.join(output, "generation_config.json"),
-             {"bos_token_id": tokenizer.end_id, "eos_token_id": tokenizer.end_id})
-  write_json(os.path.join(output, "tokenizer_config.json"),
-             {"tokenizer_class": "GPT2Tokenizer", "bos_token": end, "eos_token": end,
-              "unk_token": end, "model_max_length": cfg.max_len, "add_bos_token": False})
-  tokenizer.write_hf_files(output)
-  return ""
+# (config, params, run config, tokenizer, tokenizer) of a GPT-2 save_pretrained directory;
+# and an export of our model to one (which transformers' model class and AutoTokenizer load).
+import_gpt2 = FAMILY.read
+write_hf_gpt2 = FAMILY.write

@@ -1,9 +1,9 @@
-"""What the Hugging Face formats (hf_marian, hf_gpt2) share: activation names, the files of a
-save_pretrained directory (weights, optional JSON), and the Hub, where --input may name a
-model instead of a directory.
+"""What the Hugging Face formats (hf_marian, hf_gpt2, hf_llama) share: activation names, the
+files of a save_pretrained directory (weights, one file or shards, optional JSON), and the
+Hub, where --input may name a model instead of a directory.
 
-The weights are read with `safetensors` (numpy, no torch needed); `pytorch_model.bin` is
-unpickled only with --allow_pickle, and then with `torch.load(weights_only=True)`.
+The weights are read with `safetensors` (no torch needed); `pytorch_model.bin` is unpickled
+only with --allow_pickle, and then with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ ACTIVATIONS = {"relu": "relu", "gelu": "gelu_new", "swish": "swish", "silu": "si
 FROM_HF_ACTIVATION = {"relu": "relu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
                       "swish": "swish", "silu": "silu"}
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")   # the first found is read
+SHARD_INDEX = "model.safetensors.index.json"   # a model saved in shards: their names
 
 
 def activation_from_hf(name: str, source: str) -> str:
@@ -63,13 +64,6 @@ def mismatch(cfg: TransformerConfig, required: Sequence[tuple[str, Any]],
   return None
 
 
-def special_piece(tokenizer_config: dict, name: str, default: str) -> str:
-  """tokenizer_config.json's special token `name` ("eos_token"), a string or a serialised
-  AddedToken."""
-  value = tokenizer_config.get(name, default)
-  return value["content"] if isinstance(value, dict) else value
-
-
 def need_file(directory: str, name: str, layout: str) -> str:
   """The path of `name` in `directory`; if it is missing, an error saying what `layout`
   (e.g. "a MarianMT save_pretrained directory has config.json, ...") holds."""
@@ -86,7 +80,17 @@ def optional_json(directory: str, name: str) -> dict:
 
 
 def read_weights(directory: str, allow_pickle: bool) -> tuple[str, dict[str, np.ndarray]]:
-  """(path, float32 tensors) of the directory's model.safetensors or pytorch_model.bin."""
+  """(path, float32 tensors) of the directory's model.safetensors, its shards (listed by
+  model.safetensors.index.json, as save_pretrained writes larger models) or
+  pytorch_model.bin."""
+  index = os.path.join(directory, SHARD_INDEX)
+  if os.path.isfile(index):
+    shards = read_json(index).get("weight_map", {}).values()
+    state: dict[str, np.ndarray] = {}
+    for shard in sorted(set(shards)):
+      state.update(read_state_dict(need_file(directory, shard, f"{SHARD_INDEX} lists it"),
+                                   allow_pickle))
+    return index, state
   for name in WEIGHTS_FILES:
     path = os.path.join(directory, name)
     if os.path.isfile(path):

@@ -30,7 +30,6 @@ from transformer_jax.convert.hf import (
   check_options,
   mismatch,
   our_config,
-  special_piece,
 )
 from transformer_jax.convert.tensors import (
   ConvertError,
@@ -39,6 +38,7 @@ from transformer_jax.convert.tensors import (
   layer_tensors,
   permute_embed_axes,
 )
+from transformer_jax.data.hf_tokenizer import special_piece
 from transformer_jax.data.tokenizer import MarianSentencePiece, SentencePieceTokenizer
 from transformer_jax.modules.embedding import interleaved_to_halves, sinusoidal_table
 

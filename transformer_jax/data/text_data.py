@@ -70,10 +70,11 @@ def _train_tokenizers(task: TokenizerTraining, corpus: Corpus, config: DataOptio
                                    config.tokenizer_max_examples, seed):
       yield task.tokenizer_texts(record)
 
-  if name == "byte_bpe":
-    raise UserError("data.tokenizer='byte_bpe' is GPT-2's tokenizer, read from a pretrained "
-                    "model, not trained here: set init_from to an import of one (python -m "
-                    "transformer_jax.convert --from=hf_gpt2)")
+  if name in ("byte_bpe", "hf_tokenizer"):
+    family = "GPT-2's tokenizer" if name == "byte_bpe" else "a Hugging Face tokenizer"
+    raise UserError(f"data.tokenizer={name!r} is {family}, read from a pretrained model, not "
+                    "trained here: set init_from to an import of one (python -m "
+                    "transformer_jax.convert --from=hf_gpt2 or --from=hf_llama)")
   if name == "chars":
     return (CharVocab.build(s for s, _ in texts()),) * 2
   if name == "words":

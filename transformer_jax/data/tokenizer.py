@@ -1,7 +1,8 @@
 """Tokenizers: SentencePiece trained on the training text, and a word vocabulary for
-tagging (one id per word, so tags align to words); GPT-2's byte-level BPE, read from a
-model, is in byte_bpe.py. All share the interface of the symbol vocabulary: encode,
-decode, vocab_size, save, load.
+tagging (one id per word, so tags align to words); Hugging Face's tokenizers (tokenizer.json,
+GPT-2's byte-level BPE among them), read from a model, are in hf_tokenizer.py and
+byte_bpe.py. All share the interface of the symbol vocabulary: encode, decode, vocab_size,
+save, load. `prompt_ids` encodes a language model's prompt (predict, serving).
 
 Ids are fixed project-wide: PAD 0, BOS 1, EOS 2, UNK 3 (transformer_jax.config).
 A tokenizer is saved as `NAME.json` in the workdir (SentencePiece adds `NAME.model`, the
@@ -20,10 +21,12 @@ import re
 import tempfile
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import sentencepiece as spm
 
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer_jax.data.byte_bpe import ByteLevelBPE
+from transformer_jax.data.hf_tokenizer import HFTokenizer
 from transformer_jax.data.vocab import SPECIALS, SymbolVocab
 from transformer_jax.errors import MissingFileError, UserError
 from transformer_jax.files import atomic_write, atomic_write_json
@@ -226,6 +229,27 @@ def check_known_characters(tokenizer: Any, text: str) -> None:
                     f"{tokenizer.vocab_size} ids; leave them out of the prompt")
 
 
+def prompt_ids(tokenizer: Any, text: str) -> list[int]:
+  """The ids a language model continues `text` from, as the model's own tokenizer encodes a
+  prompt: BOS first where its texts start with BOS (models trained here, whose training rows
+  do; a Hugging Face tokenizer that adds its BOS, as Llama's does), none where they do not
+  (GPT-2's, `add_bos` False); an empty prompt is BOS alone (GPT-2's reads <|endoftext|>).
+  A character a character vocabulary lacks is refused. The one encoding of a prompt:
+  predict and every server use it."""
+  check_known_characters(tokenizer, text)
+  ids = tokenizer.encode(text)
+  return [BOS_ID] + ids if getattr(tokenizer, "add_bos", True) or not ids else ids
+
+
+def prompt_tail(ids: np.ndarray, length: int, head: int | None = None) -> np.ndarray:
+  """A prompt (`prompt_ids`) cut to `length` ids: its last ones, after its first `head`
+  (default: its BOS where it starts with one; a long prompt is continued from its end)."""
+  if len(ids) <= length:
+    return ids
+  head = int(ids[0] == BOS_ID) if head is None else head
+  return np.concatenate([ids[:head], ids[len(ids) - length + head:]])
+
+
 class MarianSentencePiece:
   """One side of MarianTokenizer (Hugging Face, OPUS-MT): a SentencePiece model cuts the
   text into pieces and a vocabulary shared by source and target maps pieces to ids (a piece
@@ -282,7 +306,7 @@ class MarianSentencePiece:
 
 
 _KINDS = {c.kind: c for c in (SymbolVocab, SentencePieceTokenizer, WordVocab, CharVocab,
-                              MarianSentencePiece, ByteLevelBPE)}
+                              MarianSentencePiece, ByteLevelBPE, HFTokenizer)}
 
 
 def load_tokenizer(path: str):

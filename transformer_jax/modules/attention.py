@@ -10,7 +10,6 @@ mask, True where a query may attend to a key; the kernels lengths, offsets or se
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Callable
 
 import flax.linen as nn
@@ -64,20 +63,23 @@ class AttentionMask:
   """Which keys each query may see, in the form the kernels take. `query_segments` (B, T)
   and `key_segments` (B, S) are int32, 0 at padding. Unpacked rows (`packed` False): every
   query sees every real key (segments are 1 and 0). Packed rows: a query sees the keys of
-  its own segment. `causal`: and no later key (T == S)."""
+  its own segment. `causal`: and no later key (T == S). `max_segments`: the packer's bound
+  on segments per row (0: none given), which sizes cuDNN's packed layout."""
   query_segments: Array
   key_segments: Array
   causal: bool = flax.struct.field(pytree_node=False, default=False)
   packed: bool = flax.struct.field(pytree_node=False, default=False)
+  max_segments: int = flax.struct.field(pytree_node=False, default=0)
 
   @classmethod
   def build(cls, query_valid: Array, key_valid: Array, query_segments: Array | None = None,
-            key_segments: Array | None = None, causal: bool = False) -> "AttentionMask":
+            key_segments: Array | None = None, causal: bool = False,
+            max_segments: int = 0) -> "AttentionMask":
     """From (B, T) and (B, S) validity and, for packed rows, their segment ids."""
     if query_segments is not None and key_segments is not None:
       queries = jnp.where(query_valid, query_segments, 0).astype(jnp.int32)
       keys = jnp.where(key_valid, key_segments, 0).astype(jnp.int32)
-      return cls(queries, keys, causal=causal, packed=True)
+      return cls(queries, keys, causal=causal, packed=True, max_segments=max_segments)
     return cls(query_valid.astype(jnp.int32), key_valid.astype(jnp.int32), causal=causal)
 
   def dense(self) -> Array:
@@ -92,18 +94,38 @@ class AttentionMask:
 
 
 # ------------------------------------------------------------------- dot-product attention
+def _scores(query: Array, key: Array) -> Array:
+  """Q K^T: (B, T, N, H), (B, S, K, H) -> (B, N, T, S). With K < N (grouped-query attention)
+  each key head serves N / K consecutive query heads, read once rather than repeated."""
+  batch, t, heads, depth = query.shape
+  groups = heads // key.shape[2]
+  grouped = query.reshape(batch, t, key.shape[2], groups, depth)
+  scores = jnp.einsum("btkgh,bskh->bkgts", grouped, key)
+  return scores.reshape(batch, heads, t, key.shape[1])
+
+
+def _weighted_sum(weights: Array, value: Array, **einsum_options) -> Array:
+  """weights V: (B, N, T, S), (B, S, K, H) -> (B, T, N, H), value heads shared as `_scores`
+  shares key heads."""
+  batch, heads, t, s = weights.shape
+  groups = heads // value.shape[2]
+  grouped = weights.reshape(batch, value.shape[2], groups, t, s)
+  out = jnp.einsum("bkgts,bskh->btkgh", grouped, value, **einsum_options)
+  return out.reshape(batch, t, heads, value.shape[3])
+
+
 def _masked_logits(query: Array, key: Array, mask: Array | None) -> Array:
   """Q K^T / sqrt(d_k) in the compute dtype, masked keys at its lowest value, as float32:
   the softmax's exponentials and sums are where bf16 would lose precision."""
   depth = query.shape[-1]
-  logits = jnp.einsum("btnh,bsnh->bnts", query, key) / jnp.sqrt(depth).astype(query.dtype)
+  logits = _scores(query, key) / jnp.sqrt(depth).astype(query.dtype)
   if mask is not None:
     logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
   return logits.astype(jnp.float32)
 
 
 def attention_weights(query: Array, key: Array, mask: Array | None) -> Array:
-  """softmax(Q K^T / sqrt(d_k)) with masked logits: (B,T,N,H),(B,S,N,H) -> (B,N,T,S)."""
+  """softmax(Q K^T / sqrt(d_k)) with masked logits: (B,T,N,H),(B,S,K,H) -> (B,N,T,S)."""
   return jax.nn.softmax(_masked_logits(query, key, mask), axis=-1).astype(query.dtype)
 
 
@@ -123,8 +145,8 @@ def attend(query: Array, key: Array, value: Array, mask: Array | None,
   row_sums = unnormalized.sum(-1)                                          # (B, N, T)
   if dropout is not None:
     unnormalized = dropout(unnormalized)
-  products = jnp.einsum("bnts,bsnh->btnh", unnormalized.astype(query.dtype), value,
-                        preferred_element_type=jnp.float32)
+  products = _weighted_sum(unnormalized.astype(query.dtype), value,
+                           preferred_element_type=jnp.float32)
   return _divide_by_row_sums(products, row_sums, query.dtype)
 
 
@@ -166,15 +188,17 @@ def dot_product_attention(query: Array, key: Array, value: Array,
   """Attention output (B, T, N, H).
 
   "einsum" is the explicit path, `attend`; "xla" goes through
-  `jax.nn.dot_product_attention` with a dense mask; "cudnn" and "splash" are the fused
-  kernels of kernels.py, which take the `AttentionMask` natively; "auto" is the fastest
-  exact one on the platform being compiled for (the einsum path on a CPU). A kernel on the
-  wrong backend falls back to "xla" with a warning naming the reason; a dense mask (the
-  decoding cache's) takes the einsum or XLA path.
+  `jax.nn.dot_product_attention` with a dense mask; the fused kernels of kernels.py
+  ("pallas", "cudnn", "cudnn_dense", "splash") take the `AttentionMask` as they take it
+  natively; "auto" is what the platform being compiled for proved exact and fastest
+  (kernels.AUTO). A kernel that cannot run here falls back to "xla" with a warning naming
+  the reason; a dense mask (the decoding cache's) takes the einsum or XLA path.
   """
   implementation = kernels.resolve(implementation)
   if implementation in kernels.KERNELS and isinstance(mask, AttentionMask):
-    fused = _fused_attention(query, key, value, mask, implementation)
+    heads = query.shape[2]      # the kernels take as many key and value heads as query heads
+    fused = kernels.fused_attention(query, _shared_by_groups(key, heads),
+                                    _shared_by_groups(value, heads), mask, implementation)
     if fused is not None:
       return fused
   if isinstance(mask, AttentionMask):
@@ -184,45 +208,6 @@ def dot_product_attention(query: Array, key: Array, value: Array,
   if mask is not None:
     mask = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
   return jax.nn.dot_product_attention(query, key, value, mask=mask, implementation="xla")
-
-
-def _fused_attention(query: Array, key: Array, value: Array, mask: AttentionMask,
-                     implementation: str) -> Array | None:
-  """The kernel's output, or None (with a warning) where it cannot run. Traced for a
-  target platform (aot), a kernel that cannot run is an error: the plan would be of
-  another program."""
-  platform = kernels.platform()
-  if platform not in kernels.KERNEL_PLATFORMS[implementation]:
-    return _cannot_run(implementation, f"the backend is {platform!r}")
-  if implementation == "splash":
-    kernel = functools.partial(kernels.splash_attention, causal=mask.causal)
-  else:
-    kernel = functools.partial(kernels.cudnn_attention, causal=mask.causal, packed=mask.packed)
-  try:  # The kernels check dtypes and shapes when the call is traced.
-    return kernels.per_device(kernel, query, key, value, mask.query_segments,
-                              mask.key_segments)
-  except (NotImplementedError, ValueError, RuntimeError) as e:
-    # A genuine input error raises again from the XLA path.
-    return _cannot_run(implementation, f"{type(e).__name__}: {str(e).strip().splitlines()[0]}")
-
-
-def _cannot_run(implementation: str, reason: str) -> Array | None:
-  """None, after a warning; traced for a target platform, a KernelError instead."""
-  if kernels.planning():
-    hint = (" (cuDNN's library is needed to trace it: pip install -r requirements-gpu.txt)"
-            if "cuDNN not found" in reason else "")
-    raise kernels.KernelError(f"model.attention_impl={implementation!r} cannot be traced for "
-                              f"{kernels.platform()!r}: {reason}{hint}; plan "
-                              "--config.model.attention_impl=einsum instead")
-  _warn_fallback(implementation, reason)
-  return None
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_fallback(implementation: str, reason: str) -> None:
-  """Warns once per distinct reason (tracing can hit the same fallback many times)."""
-  warnings.warn(f"attention_impl={implementation!r} falls back to 'xla': {reason}",
-                stacklevel=4)
 
 
 # ----------------------------------------------------------------------- multi-head module
@@ -239,9 +224,10 @@ def _stacked(init: Callable, count: int) -> Callable:
 
 def _shared_by_groups(x: Array, num_heads: int) -> Array:
   """Keys or values of K heads (B, S, K, H) -> (B, S, N, H): grouped-query attention, each
-  of the K heads serving N / K consecutive query heads (the identity when K == N). Every
-  attention path then takes them as multi-head attention's; only the parameters and the
-  decoding cache hold K heads."""
+  of the K heads serving N / K consecutive query heads (the identity when K == N), for the
+  fused kernels, which take multi-head attention's shapes. The einsum and XLA paths read
+  the K heads as they are (`_scores`, `jax.nn.dot_product_attention`): repeating them cost a
+  decoding step a third of a layer's time (TinyLlama's 4 heads for 32, batch 16, CPU)."""
   groups = num_heads // x.shape[2]
   return x if groups == 1 else jnp.repeat(x, groups, axis=2)
 
@@ -251,7 +237,7 @@ class MultiHeadAttention(nn.Module):
   `config.fused_qkv`, self-attention computes Q, K and V with one matmul.
 
   `role` is "self" or "cross". With `decode=True` the module keeps a 'cache' collection:
-  self-attention appends one step's keys/values per call; cross-attention projects the
+  self-attention writes each call's keys/values at their positions; cross-attention projects the
   encoder output once, on the call that creates the cache, and reuses it afterwards.
   With the einsum path, attention weights are sown into 'intermediates' (pass
   `mutable=['intermediates']` to `apply` to read them).
@@ -306,12 +292,12 @@ class MultiHeadAttention(nn.Module):
         query = rotary(query, positions, cfg.rope_theta)
         key = rotary(key, positions, cfg.rope_theta)
       if decode:   # the cache keeps K heads, not N: the memory grouped queries save
-        key, value, mask = self._append_to_cache(key, value, mask)
-    key, value = _shared_by_groups(key, cfg.num_heads), _shared_by_groups(value, cfg.num_heads)
-
+        key, value, mask = self._append_to_cache(key, value, mask, positions)
     implementation = kernels.resolve(cfg.attention_impl)
     if decode and implementation in kernels.KERNELS:
       implementation = "xla"   # one query a step against the cache: nothing to fuse
+    if self.role == "cross" and implementation == "pallas":
+      implementation = "einsum"   # its one row of segment ids serves self-attention only
     if train:
       kernels.check_dropout(implementation, cfg.attention_dropout_rate)
     explicit = implementation == "einsum" or (train and cfg.attention_dropout_rate > 0)
@@ -320,7 +306,7 @@ class MultiHeadAttention(nn.Module):
     if explicit and self.is_mutable_collection("intermediates"):   # attention maps
       weights = attention_weights(query, key, dense)
       self.sow("intermediates", "attention_weights", weights)
-      out = jnp.einsum("bnts,bsnh->btnh", dropout(weights), value)
+      out = _weighted_sum(dropout(weights), value)
     elif explicit:
       out = attend(query, key, value, dense, dropout)
     else:
@@ -345,23 +331,30 @@ class MultiHeadAttention(nn.Module):
       self.put_variable("cache", "cross_value", value)
     return key, value
 
-  def _append_to_cache(self, key: Array, value: Array, mask: AttentionMask | Array | None
+  def _append_to_cache(self, key: Array, value: Array, mask: AttentionMask | Array | None,
+                       positions: Array | None
                        ) -> tuple[Array, Array, AttentionMask | Array | None]:
-    """Self-attention decoding: on the initializing call (full-length dummy input) the cache
-    is created with the input's length; later calls take one token each."""
+    """Self-attention decoding: the initializing call (a dummy input of the cache's length)
+    creates the cache; each later call writes its T tokens' keys and values at their own
+    `positions` (B, T), and each query sees the cache up to its position. Rows may thus
+    stand at different positions: a served model's rows join and leave the batch at any
+    step (serving/streaming.py). Slots past a row's position are never read, so a row
+    needs no clearing before it is reused."""
     initialized = self.has_variable("cache", "cached_key")
-    cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
-    cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
-    index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    # (B, K, L, H): each head's keys side by side, as the attention's products read them
+    # (stored (B, L, K, H), every step copied them to that layout first).
+    shape = (key.shape[0], key.shape[2], key.shape[1], key.shape[3])
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, value.dtype)
     if not initialized:
       return key, value, mask
-    if key.shape[1] != 1:
-      raise ValueError(f"cached decoding takes one token per call, got {key.shape[1]}")
-    i = index.value
-    cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, (0, i, 0, 0))
-    cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, (0, i, 0, 0))
-    index.value = i + 1
-    max_length = cached_key.value.shape[1]
-    step_mask = (jnp.arange(max_length) <= i)[None, None, None, :]      # (1, 1, 1, L)
-    return cached_key.value, cached_value.value, step_mask
+    if positions is None:
+      raise ValueError("cached decoding needs the tokens' `positions` (B, T)")
+    rows = jnp.arange(key.shape[0])[:, None]                               # (B, 1)
+    cached_key.value = cached_key.value.at[rows, :, positions].set(key, mode="drop")
+    cached_value.value = cached_value.value.at[rows, :, positions].set(value, mode="drop")
+    slots = jnp.arange(cached_key.value.shape[2])
+    step_mask = slots[None, None, None, :] <= positions[:, None, :, None]   # (B, 1, T, L)
+    return (jnp.swapaxes(cached_key.value, 1, 2), jnp.swapaxes(cached_value.value, 1, 2),
+            step_mask)
 

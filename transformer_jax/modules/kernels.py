@@ -1,25 +1,35 @@
 """Fused attention kernels that never write the (B, N, T, S) scores, and the masks as each
-takes them natively: `attention_impl` "cudnn" (NVIDIA GPUs), "splash" (TPUs), or "auto"
-(the fastest exact one on the backend; the einsum path on a CPU).
+takes them natively. `attention_impl` names one, or "auto": the path that the platform's own
+self-check proved exact (values and gradients, finite everywhere) and that was timed fastest
+there (AUTO below; docs/gpu.md cites the measurements).
 
-- cuDNN flash attention, through JAX's cuDNN bindings. Unpacked rows: `is_causal` and each
-  row's query and key lengths (rows are padded at the end). Packed rows: cuDNN's packed
-  layout, each segment's offset and length in the query row and in the key row, so one
-  call serves encoder self-attention, causal decoder self-attention and cross-attention
-  with T != S alike. Hopper (compute capability 9.0) or newer for packed rows.
-- Splash attention (Pallas, TPU), per example under `vmap`: query and key segment ids with
-  a causal mask or none. `interpret=True` runs the same kernel on a CPU (the tests).
+- "pallas" (NVIDIA GPUs): JAX's Pallas flash attention for GPUs (Triton), self-attention
+  only (encoder, causal decoder, language model; packed or not): one row of segment ids
+  serves queries and keys, padding being a segment of its own. `interpret=True` runs the
+  same kernel on a CPU (the tests).
+- "cudnn" (NVIDIA GPUs): cuDNN flash attention through JAX's cuDNN bindings. Unpacked rows:
+  `is_causal` and each row's query and key lengths. Packed rows: cuDNN's packed layout,
+  each segment's offset and length in the query row and in the key row, sized by the
+  packer's bound on segments per row; padding joins a segment so every output is written.
+  Hopper (compute capability 9.0) or newer for packed rows. The CPU can only describe it.
+- "cudnn_dense": cuDNN flash attention fed the dense (B, 1, T, S) mask as a bias
+  (`jax.nn.dot_product_attention`'s own call): the fastest path measured on an H200 before
+  the masks were native, its gradients unchecked; a candidate for the GPU self-check.
+- "splash" (TPUs): Pallas splash attention per example under `vmap`: query and key segment
+  ids with a causal mask or none. `interpret=True` runs it on a CPU (the tests).
 
 Shapes: B batch, T query length, S key length, N heads, H head dimension; the mask is
-`attention.AttentionMask`. Neither kernel has attention dropout (config.py refuses it).
+`attention.AttentionMask`. No kernel has attention dropout (config.py refuses it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
-from typing import Callable, Iterator, Literal
+import warnings
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -28,14 +38,24 @@ from jax.sharding import PartitionSpec as P
 
 from transformer_jax import sharding
 from transformer_jax.errors import UserError
+from transformer_jax.modules import cudnn
+
+if TYPE_CHECKING:
+  from jax.experimental.pallas.ops.gpu.attention import BlockSizes
+
+  from transformer_jax.modules.attention import AttentionMask
 
 Array = jax.Array
 
-# Each kernel and the platforms it runs on; "auto" picks the one of the platform traced for.
-KERNEL_PLATFORMS = {"cudnn": ("gpu", "cuda"), "splash": ("tpu",)}
-KERNELS = tuple(KERNEL_PLATFORMS)
-_FASTEST = {platform: kernel for kernel, platforms in KERNEL_PLATFORMS.items()
-            for platform in platforms}
+# Each kernel and the platforms it runs on.
+_GPU = ("gpu", "cuda")
+KERNEL_PLATFORMS = {"pallas": _GPU, "cudnn": _GPU, "cudnn_dense": _GPU, "splash": ("tpu",)}
+KERNELS = tuple(KERNEL_PLATFORMS)   # config.KERNELS, in the same order (tested)
+# What "auto" runs on each platform (any other: einsum). A kernel enters this table only
+# after its platform's self-check passed and it was timed fastest there. NVIDIA GPUs: einsum
+# (one H100, 2026-11-28: cuDNN's packed layout gave NaN gradients and a 5.8x slower step;
+# Pallas is not yet measured). TPUs: splash.
+AUTO = {"gpu": "einsum", "cuda": "einsum", "tpu": "splash"}
 
 _TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "attention_target_platform", default=None)
@@ -82,11 +102,11 @@ def platform() -> str:
 
 
 def resolve(implementation: str, on: str | None = None) -> str:
-  """"auto" as the fastest exact attention on platform `on` (default: the one being traced
-  for); other names as they are."""
+  """"auto" as the attention that platform `on` (default: the one being traced for) has
+  proved exact and fastest (AUTO); other names as they are."""
   if implementation != "auto":
     return implementation
-  return _FASTEST.get(on or platform(), "einsum")
+  return AUTO.get(on or platform(), "einsum")
 
 
 def check_dropout(implementation: str, attention_dropout_rate: float,
@@ -97,6 +117,67 @@ def check_dropout(implementation: str, attention_dropout_rate: float,
     raise KernelError(f"model.attention_dropout_rate={attention_dropout_rate}: the {resolved} "
                       f"kernel (attention_impl={implementation!r}) has no attention dropout; "
                       "set it to 0, or attention_impl to 'einsum'")
+
+
+def fused_attention(query: Array, key: Array, value: Array, mask: "AttentionMask",
+                    implementation: str) -> Array | None:
+  """The kernel's output, or None (with a warning) where it cannot run. Traced for a
+  target platform (aot), a kernel that cannot run is an error: the plan would be of
+  another program."""
+  target = platform()
+  if target not in KERNEL_PLATFORMS[implementation]:
+    return _cannot_run(implementation, f"the backend is {target!r}")
+  if implementation == "cudnn" and mask.packed:
+    _warn_unproven("attention_impl='cudnn' on packed rows: cuDNN's packed layout has not "
+                   "yet passed the GPU self-check (tests/test_kernels_gpu.py); 'einsum' is "
+                   "the path measured right there")
+  kernel = _kernel(implementation, mask)
+  try:  # The kernels check dtypes and shapes when the call is traced.
+    return per_device(kernel, query, key, value, mask.query_segments, mask.key_segments)
+  except UserError:
+    raise
+  except (NotImplementedError, ValueError, RuntimeError) as e:
+    # A genuine input error raises again from the XLA path.
+    return _cannot_run(implementation, f"{type(e).__name__}: {str(e).strip().splitlines()[0]}")
+
+
+def _kernel(implementation: str, mask: "AttentionMask") -> Callable[..., Array]:
+  """`kernel(query, key, value, query_segments, key_segments)` of `implementation`."""
+  if implementation == "splash":
+    return functools.partial(splash_attention, causal=mask.causal)
+  if implementation == "pallas":
+    return functools.partial(pallas_attention, causal=mask.causal)
+  if implementation == "cudnn_dense":
+    def dense(q: Array, k: Array, v: Array, q_segments: Array, k_segments: Array) -> Array:
+      local = dataclasses.replace(mask, query_segments=q_segments, key_segments=k_segments)
+      return cudnn.dense_attention(q, k, v, local.dense())   # one device's rows
+    return dense
+  return functools.partial(cudnn.attention, causal=mask.causal, packed=mask.packed,
+                           max_segments=mask.max_segments)
+
+
+def _cannot_run(implementation: str, reason: str) -> Array | None:
+  """None, after a warning; traced for a target platform, a KernelError instead."""
+  if planning():
+    hint = (" (cuDNN's library is needed to trace it: pip install -r requirements-gpu.txt)"
+            if "cuDNN not found" in reason else "")
+    raise KernelError(f"model.attention_impl={implementation!r} cannot be traced for "
+                      f"{platform()!r}: {reason}{hint}; plan "
+                      "--config.model.attention_impl=einsum instead")
+  _warn_fallback(implementation, reason)
+  return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(implementation: str, reason: str) -> None:
+  """Warns once per distinct reason (tracing can hit the same fallback many times)."""
+  warnings.warn(f"attention_impl={implementation!r} falls back to 'xla': {reason}",
+                stacklevel=4)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_unproven(message: str) -> None:
+  warnings.warn(message, stacklevel=4)
 
 
 def per_device(kernel: Callable[..., Array], query: Array, key: Array, value: Array,
@@ -118,46 +199,38 @@ def per_device(kernel: Callable[..., Array], query: Array, key: Array, value: Ar
                                                           key_segments)
 
 
-# --------------------------------------------------------------------------------- cuDNN
-def cudnn_attention(query: Array, key: Array, value: Array, query_segments: Array,
-                    key_segments: Array, *, causal: bool, packed: bool,
-                    implementation: Literal["cudnn", "xla"] = "cudnn") -> Array:
-  """cuDNN flash attention with the mask as lengths (unpacked) or segment offsets and
-  lengths (packed). `implementation="xla"` runs JAX's reference of the same unpacked call
-  (a CPU check of the lengths); packed rows need the GPU."""
-  if not packed:
-    # A row with no key at all (an empty padding row) attends to its first key: finite,
-    # and its output is never read.
-    return jax.nn.dot_product_attention(
-        query, key, value, is_causal=causal,
-        query_seq_lengths=_lengths(query_segments),
-        key_value_seq_lengths=jnp.maximum(_lengths(key_segments), 1),
-        implementation=implementation)
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn  # packed layout: no public API
-  segments = min(query.shape[1], key.shape[1])
-  q_offsets, q_lengths = segment_offsets(query_segments, segments)
-  kv_offsets, kv_lengths = segment_offsets(key_segments, segments)
-  mask_type = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
-  return cudnn.dot_product_attention(
-      query, key, value, q_seqlen=q_lengths, kv_seqlen=kv_lengths, q_offsets=q_offsets,
-      kv_offsets=kv_offsets, scale=float(1 / np.sqrt(query.shape[-1])), mask_type=mask_type)
+# -------------------------------------------------------------------------------- Pallas
+def pallas_attention(query: Array, key: Array, value: Array, query_segments: Array,
+                     key_segments: Array, *, causal: bool, interpret: bool = False) -> Array:
+  """JAX's Pallas flash attention for GPUs (`jax.experimental.pallas.ops.gpu.attention`,
+  forward and backward kernels) on self-attention rows (T == S). Its one row of segment
+  ids serves queries and keys: padding (segment 0) is a segment of its own, so each padding
+  query sees padding keys (at least itself), every output is written and finite, and no
+  real query sees a padding key."""
+  from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+  if query.shape[1] != key.shape[1]:
+    raise ValueError(f"the Pallas kernel serves self-attention (T == S), got T="
+                     f"{query.shape[1]} and S={key.shape[1]}")
+  del key_segments   # self-attention: the queries' row
+  return pallas_gpu.mha(query, key, value, query_segments,
+                        sm_scale=float(1 / np.sqrt(query.shape[-1])), causal=causal,
+                        block_sizes=pallas_blocks(query.shape[1]), interpret=interpret)
 
 
-def _lengths(segments: Array) -> Array:
-  return jnp.sum(segments != 0, axis=1, dtype=jnp.int32)
-
-
-def segment_offsets(segments: Array, max_segments: int) -> tuple[Array, Array]:
-  """(B, L) segment ids (1, 2, ... in order, each contiguous; 0 at padding) -> cuDNN's
-  packed layout: each row's segment starts (B, M + 1) and lengths (B, M), -1 past its last
-  segment (JAX's binding turns them into offsets over the whole batch)."""
-  ids = jnp.arange(1, max_segments + 1, dtype=segments.dtype)
-  member = segments[:, None, :] == ids[None, :, None]                     # (B, M, L)
-  lengths = member.sum(-1, dtype=jnp.int32)
-  present = lengths > 0
-  starts = jnp.where(present, jnp.argmax(member, axis=-1).astype(jnp.int32), -1)
-  offsets = jnp.pad(starts, ((0, 0), (0, 1)), constant_values=-1)
-  return offsets, jnp.where(present, lengths, -1)
+def pallas_blocks(length: int) -> "BlockSizes":
+  """The Pallas kernel's tiles for rows of `length` tokens: those of the Triton tutorial's
+  flash attention on Hopper for a head dimension of 64 where the row allows (forward: 128
+  queries against 64-key steps; backward: 128 keys (dK, dV) over 32-query steps, and 128
+  queries (dQ) over 32-key steps); shorter rows take the largest power-of-two tile of at
+  least 16 (Triton's smallest matmul) that divides them."""
+  from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+  tile = next((t for t in (128, 64, 32, 16) if length % t == 0), None)
+  if tile is None:
+    raise ValueError(f"the Pallas kernel tiles rows by multiples of 16 tokens; these rows "
+                     f"have {length} (pad data.max_length to a multiple of 16)")
+  step = min(32, tile)
+  return pallas_gpu.BlockSizes(block_q=tile, block_k=min(64, tile), block_q_dkv=step,
+                               block_kv_dkv=tile, block_q_dq=tile, block_kv_dq=step)
 
 
 # -------------------------------------------------------------------------------- splash

@@ -19,7 +19,6 @@ from transformer_jax.config import (
   EOS_ID,
   NO_TOKEN_LOGIT,
   PAD_ID,
-  UNK_ID,
   TransformerConfig,
 )
 from transformer_jax.modules.attention import AttentionMask
@@ -87,7 +86,8 @@ class Encoder(nn.Module):
     cfg = self.config
     embedding = self.embedding or token_embedding(cfg, cfg.vocab_size, "embedding")
     valid = tokens != PAD_ID
-    mask = AttentionMask.build(valid, valid, segment_ids, segment_ids)
+    mask = AttentionMask.build(valid, valid, segment_ids, segment_ids,
+                               max_segments=cfg.max_segments)
     if positions is None:
       positions = default_positions(tokens)
     x = InputEmbedding(cfg, embedding, name="input_embedding")(tokens, positions,
@@ -132,12 +132,13 @@ class Decoder(nn.Module):
       self_mask = None
     else:
       self_mask = AttentionMask.build(tgt_valid, tgt_valid, tgt_segment_ids,
-                                      tgt_segment_ids, causal=True)
+                                      tgt_segment_ids, causal=True,
+                                      max_segments=cfg.max_segments)
     cross_mask = None
     if self.cross_attention:
       assert src_tokens is not None
       cross_mask = AttentionMask.build(tgt_valid, src_tokens != PAD_ID, tgt_segment_ids,
-                                       src_segment_ids)
+                                       src_segment_ids, max_segments=cfg.max_segments)
     if tgt_positions is None:
       tgt_positions = default_positions(tgt_tokens)
 
@@ -160,12 +161,18 @@ class Decoder(nn.Module):
     if cfg.tie_output and train:
       logits = tied_projection(y.astype(cfg.compute_dtype),
                                embedding.embedding.astype(cfg.compute_dtype))
+    elif cfg.tie_output and y.ndim > 1 and y.shape[-2] == 1:
+      # One token a row (a decoding step): the table first in the product, which XLA:CPU
+      # reads row by row rather than copying it transposed at every step (GPT-2 small at
+      # batch 1: 29.2 -> 26.3 ms a token, benchmarks/RESULTS.md).
+      logits = jnp.einsum("vd,...d->...v", embedding.embedding.astype(cfg.compute_dtype),
+                          y.astype(cfg.compute_dtype))
     elif cfg.tie_output:
       logits = embedding.attend(y)
     else:
       logits = nn.Dense(
           cfg.tgt_vocab_size, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
-          name="output_projection",
+          name="output_projection", use_bias=cfg.use_bias,
           kernel_init=partitioned(kernel_init(cfg), ("embed", "vocab")),
           bias_init=partitioned(nn.initializers.zeros_init(), ("vocab",)))(y)
     if cfg.final_logits_bias:
@@ -174,8 +181,8 @@ class Decoder(nn.Module):
                         (cfg.tgt_vocab_size,), cfg.params_dtype)
       logits = logits + bias.astype(logits.dtype)
     logits = logits.astype(jnp.float32)
-    if cfg.bos_is_eos:   # a vocabulary without PAD, BOS and UNK tokens never predicts them
-      absent = jnp.isin(jnp.arange(logits.shape[-1]), jnp.array([PAD_ID, BOS_ID, UNK_ID]))
+    if cfg.no_token_ids:   # ids the vocabulary has no token for are never predicted
+      absent = jnp.isin(jnp.arange(logits.shape[-1]), jnp.array(cfg.no_token_ids))
       logits = jnp.where(absent, NO_TOKEN_LOGIT, logits)
     return logits
 

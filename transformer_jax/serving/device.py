@@ -36,6 +36,13 @@ def out_of_memory(error: BaseException | str) -> bool:
   return any(words in text for words in _OUT_OF_MEMORY)
 
 
+def model_failed(error: BaseException | str) -> str:
+  """A 500's message for a model call that failed; out of GPU memory, naming the
+  variables that share a GPU."""
+  hint = f"; {MEMORY_HINT}" if out_of_memory(error) else ""
+  return f"the model failed: {error}{hint}"
+
+
 def memory_error(error: BaseException, what: str) -> UserError | None:
   """The user error for `error` if it says the GPU's memory ran out while doing `what`,
   else None."""

@@ -28,8 +28,9 @@ from transformer_jax.config import PAD_ID
 from transformer_jax.data.tokenizer import (
   TARGET_VOCAB_FILE,
   VOCAB_FILE,
-  check_known_characters,
   load_tokenizer,
+  prompt_ids,
+  prompt_tail,
 )
 from transformer_jax.data.vocab import strip_special
 from transformer_jax.errors import UserError
@@ -42,6 +43,7 @@ from transformer_jax.serving.line_policy import (
   stitch,
   window_starts,
 )
+from transformer_jax.serving.slots import StreamingPrograms
 
 DEFAULT_MAX_ROWS = 64
 
@@ -98,12 +100,13 @@ class Served:
   `Served.load(directory)` picks the loader of the artifact's format."""
 
   def __init__(self, directory: str, manifest: dict[str, Any], function: ModelFunction,
-               max_rows: int = DEFAULT_MAX_ROWS):
+               max_rows: int = DEFAULT_MAX_ROWS, streaming: StreamingPrograms | None = None):
     if manifest.get("output") not in OUTPUTS:
       raise ArtifactError(f"{directory}: unknown output kind {manifest.get('output')!r}; "
                           f"known: {sorted(OUTPUTS)}")
     self.directory, self.manifest, self.max_rows = directory, manifest, max_rows
     self._function = function
+    self.streaming = streaming   # a language model's programs for /v1/completions, if any
     self.max_len = int(manifest["max_len"])
     self.decode = manifest["decode"]
     self.buckets = bucket_lengths(self.max_len)
@@ -121,7 +124,7 @@ class Served:
     except UserError as e:
       raise ArtifactError(f"{directory}: manifest \"lines\": {e}; export the model again") from None
     self._outputs = OUTPUTS[manifest["output"]]
-    # A language model's lines are prompts: an empty one is continued from BOS too.
+    # A language model's lines are prompts, encoded as predict encodes them (`prompt_ids`).
     self.prompts = manifest["output"] == "continuation"
 
   @classmethod
@@ -144,15 +147,15 @@ class Served:
         raise InputError(f"input {index}: expected a string, got {type(line).__name__}")
       text = self.policy.clean(line)
       try:
-        if self.prompts:
-          check_known_characters(self.tokenizer, text)
-        ids = np.asarray(self.tokenizer.encode(text), np.int32)
+        ids = np.asarray(prompt_ids(self.tokenizer, text) if self.prompts
+                         else self.tokenizer.encode(text), np.int32)
       except (ValueError, UserError) as e:    # e.g. a symbol outside a symbol vocabulary
         raise InputError(f"input {index}: {e}") from None
       # Word-level tokenizers split on whitespace, as the tasks' featurizers do.
       chars = character_ids(text.split(), self.word_bytes) if self.word_bytes else None
       if self.policy.action(len(ids), self.max_len, f"input {index}") == "truncate":
-        ids = kept_tokens(ids, self.max_len, self.policy.truncate)
+        ids = (prompt_tail(ids, self.max_len) if self.prompts   # its end, after its BOS
+               else kept_tokens(ids, self.max_len, self.policy.truncate))
         chars = None if chars is None else kept_tokens(chars, self.max_len,
                                                        self.policy.truncate)
       encoded.append(EncodedLine(ids.tolist(), chars))
@@ -193,8 +196,7 @@ class Served:
     rows: list[EncodedLine] = []                 # the model's rows
     spans: list[tuple[int, list[int]]] = []      # per line: its first row, its windows
     for line in lines:
-      starts = (window_starts(len(line.ids), self.max_len) if line.ids
-                else [0] if self.prompts else [])
+      starts = window_starts(len(line.ids), self.max_len) if line.ids else []
       spans.append((len(rows), starts))
       rows += [EncodedLine(line.ids[s:s + self.max_len],
                            None if line.chars is None else line.chars[s:s + self.max_len])

@@ -15,6 +15,13 @@ and for the per-request log (`serve --request_log`):
   transformer_jax_decode_length_tokens          output tokens per line (translation: up to
                                                 EOS; other tasks: the line's tokens)
 
+and for a language model's completions (streaming.py):
+
+  transformer_jax_first_token_seconds           from a choice queued to its first token
+  transformer_jax_between_tokens_seconds        from one token of a choice to its next
+  transformer_jax_completion_tokens_total       tokens drawn
+  transformer_jax_slots_busy                    rows of the decoding batch in use now
+
 Each server has its own registry, so tests can run several in one process.
 """
 
@@ -77,6 +84,12 @@ class ServerMetrics:
     self.compile = prom.Counter(prefix + "compile_seconds", "JAX tracing and compiling.", **r)
     self.decode_length = prom.Histogram(prefix + "decode_length_tokens", "Output tokens per "
                                         "line.", buckets=(4, 8, 16, 32, 64, 128, 256), **r)
+    self.first_token = prom.Histogram(prefix + "first_token_seconds", "A choice queued to "
+                                      "its first token.", buckets=_LATENCY_BUCKETS, **r)
+    self.between_tokens = prom.Histogram(prefix + "between_tokens_seconds", "One token of a "
+                                         "choice to its next.", buckets=_LATENCY_BUCKETS, **r)
+    self.completion_tokens = prom.Counter(prefix + "completion_tokens", "Tokens drawn.", **r)
+    self.slots_busy = prom.Gauge(prefix + "slots_busy", "Decoding rows in use.", **r)
 
   def answered(self, status: int, seconds: float | None = None) -> None:
     self.requests.labels(code=str(status)).inc()

@@ -1,18 +1,23 @@
 """The HTTP server of a served model (the command is transformer_jax/serve.py):
 
-  POST /v1/predict  {"inputs": ["line", ...]}  ->  200 {"outputs": ["output", ...]}
-  GET  /healthz     ->  200 {"status": "ok", "name", "version", "task", "fingerprint",
-                              "device", "device_kind"}
-  GET  /metrics     ->  200 Prometheus text format (serving/metrics.py)
+  POST /v1/predict      {"inputs": ["line", ...]}  ->  200 {"outputs": ["output", ...]}
+  POST /v1/completions  a language model's OpenAI completions, streamed as server-sent
+                        events with "stream": true (openai_api.py, streaming.py)
+  GET  /v1/models       the served model, as OpenAI lists models
+  GET  /healthz         ->  200 {"status": "ok", "name", "version", "task", "fingerprint",
+                                  "device", "device_kind"}
+  GET  /metrics         ->  200 Prometheus text format (serving/metrics.py)
 
-Every error is answered with a JSON body {"error": "..."}: 400 for bad input (no or invalid
-JSON, no "inputs" list, a non-string, a line over the model's max_len tokens that the line
-policy refuses: translation, or --too_long=refuse; serving/line_policy.py), 413 for a
-body over --max_body_bytes or more than --max_inputs lines, 404 for an unknown path, 405
-for a method a path does not take, 503 while shutting down, 500 when the model call fails
-(out of GPU memory: naming the variables that share a GPU, serving/device.py). A refused
-body is still read (up to DRAIN_LIMIT bytes), so that a client that sends it before reading
-the answer gets the 413 rather than a broken pipe.
+Every error is answered with a JSON body, {"error": "..."} (OpenAI's shape, {"error":
+{"message", "type", "param", "code"}}, under /v1/ but for /v1/predict): 400 for bad input
+(no or invalid JSON, no "inputs" list, a non-string, a line over the model's max_len tokens
+that the line policy refuses: translation, or --too_long=refuse; serving/line_policy.py; a
+completion field out of range, naming it), 413 for a body over --max_body_bytes or more
+than --max_inputs lines (prompts x n), 404 for an unknown path or model, 405 for a method a
+path does not take, 503 while shutting down, 500 when the model call fails (out of GPU
+memory: naming the variables that share a GPU, serving/device.py). A refused body is still
+read (up to DRAIN_LIMIT bytes), so that a client that sends it before reading the answer
+gets the 413 rather than a broken pipe.
 
 Built on the standard library's ThreadingHTTPServer: one thread per connection parses and
 checks the request, and the batcher's one thread runs the model. The model call is the
@@ -27,16 +32,20 @@ import http.server
 import json
 import threading
 import time
+import urllib.parse
 from typing import Any, Callable
 
 from transformer_jax.inputs import InputError
-from transformer_jax.serving import device
+from transformer_jax.serving import device, openai_api
 from transformer_jax.serving.batching import Batcher
 from transformer_jax.serving.lines import Served
+from transformer_jax.serving.openai_api import OpenAIError
+from transformer_jax.serving.streaming import StreamBatcher
 
 DRAIN_LIMIT = 64 << 20      # a refused body larger than this is not read; the socket closes
 PREDICT, HEALTH, METRICS = "/v1/predict", "/healthz", "/metrics"
-_METHODS = {PREDICT: "POST", HEALTH: "GET", METRICS: "GET"}
+COMPLETIONS, MODELS = "/v1/completions", "/v1/models"
+_METHODS = {PREDICT: "POST", HEALTH: "GET", METRICS: "GET", COMPLETIONS: "POST", MODELS: "GET"}
 
 
 class BadRequest(Exception):
@@ -96,14 +105,18 @@ class InFlight:
 
 def make_handler(served: Served, batcher: Batcher, limits: Limits, identity: dict[str, str],
                  in_flight: InFlight, log_request: Callable[[dict], None] | None = None,
+                 streams: StreamBatcher | None = None,
                  ) -> type[http.server.BaseHTTPRequestHandler]:
   """The request handler class for one loaded model; `identity`: what /healthz says of it
   besides its task and fingerprint (name, version, and device and device_kind: where it
-  runs)."""
+  runs). `streams`: a language model's continuous batcher, for /v1/completions."""
   metrics = batcher.metrics
+  completions = openai_api.Completions(served, streams, identity["name"], identity["version"],
+                                       limits.max_inputs)
 
   class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"       # keep-alive: clients reuse connections
+    disable_nagle_algorithm = True      # a streamed token goes out at once
 
     def _answer(self, status: int, payload: dict[str, Any] | None = None, *,
                 body: bytes | None = None, content_type: str = "application/json",
@@ -120,6 +133,17 @@ def make_handler(served: Served, batcher: Batcher, limits: Limits, identity: dic
       self.wfile.write(body)
       metrics.answered(status, None if started is None else time.monotonic() - started)
 
+    def _error(self, status: int, message: str, *, param: str | None = None,
+               code: str | None = None, headers: dict[str, str] | None = None,
+               started: float | None = None) -> None:
+      """An error in the path's shape: OpenAI's under /v1/ (but /v1/predict), else
+      {"error": message}."""
+      path = getattr(self, "path", "").split("?")[0]    # none: the request line was bad
+      openai = path.startswith("/v1/") and path != PREDICT
+      payload = (openai_api.error_body(status, message, param, code) if openai
+                 else {"error": message})
+      self._answer(status, payload, headers=headers, started=started)
+
     def send_error(self, code: int, message: str | None = None,
                    explain: str | None = None) -> None:
       """The standard library's errors (a malformed request line, an unknown method) as
@@ -128,19 +152,18 @@ def make_handler(served: Served, batcher: Batcher, limits: Limits, identity: dic
       if code == 501 and self.command:
         self._method_not_allowed()
         return
-      self._answer(code, {"error": message or explain or self.responses[code][0]})
+      self._error(code, message or explain or self.responses[code][0])
 
     def _method_not_allowed(self) -> None:
       path = self.path.split("?")[0]
       allowed = _METHODS.get(path, "GET, POST")
-      self._answer(405, {"error": f"{self.command} is not allowed on {path}; use "
-                                  f"{allowed}"}, headers={"Allow": allowed})
+      self._error(405, f"{self.command} is not allowed on {path}; use {allowed}",
+                  headers={"Allow": allowed})
 
     def _refuse_while_draining(self) -> bool:
       if in_flight.draining:
         self.close_connection = True
-        self._answer(503, {"error": "the server is shutting down; retry on another "
-                                    "replica"})
+        self._error(503, "the server is shutting down; retry on another replica")
       return in_flight.draining
 
     def do_GET(self) -> None:  # noqa: N802  (http.server's naming)
@@ -160,39 +183,80 @@ def make_handler(served: Served, batcher: Batcher, limits: Limits, identity: dic
       elif self.path == METRICS:
         body, content_type = metrics.text()
         self._answer(200, body=body, content_type=content_type)
-      elif self.path == PREDICT:
+      elif self.path == MODELS:
+        self._answer(200, completions.models())
+      elif self.path.startswith(MODELS + "/"):
+        try:
+          self._answer(200, completions.model(urllib.parse.unquote(self.path[len(MODELS) + 1:])))
+        except OpenAIError as e:
+          self._answer(e.status, e.body())
+      elif self.path in (PREDICT, COMPLETIONS):
         self._method_not_allowed()
       else:
-        self._answer(404, {"error": f"no such path {self.path}; use POST {PREDICT}, "
-                                    f"GET {HEALTH} or GET {METRICS}"})
+        self._error(404, f"no such path {self.path}; use POST {PREDICT}, GET {HEALTH} or "
+                    f"GET {METRICS}")
 
     def _post(self) -> None:
       if self._refuse_while_draining():
         return
-      if self.path != PREDICT:
+      if self.path not in (PREDICT, COMPLETIONS):
         self._drain(self._length())
         if self.path in _METHODS:
           self._method_not_allowed()
+        elif self.path.rstrip("/").endswith("/chat/completions"):
+          self._error(404, "chat completions are not served: this is a completion model "
+                      f"without a chat template; POST {COMPLETIONS} with a prompt")
         else:
-          self._answer(404, {"error": f"no such path {self.path}; use POST {PREDICT}"})
+          self._error(404, f"no such path {self.path}; use POST {PREDICT} or POST "
+                      f"{COMPLETIONS}")
         return
       started = time.monotonic()
+      if self.path == COMPLETIONS:
+        self._complete(started)
+        return
       try:
         inputs = parse_inputs(self._body(), limits.max_inputs)
         encoded = served.encode(inputs)
       except (BadRequest, InputError) as e:
-        self._answer(getattr(e, "status", 400), {"error": str(e)}, started=started)
+        self._error(getattr(e, "status", 400), str(e), started=started)
         return
       try:
         outputs, record = batcher.predict(encoded)
       except RuntimeError as e:
-        hint = f"; {device.MEMORY_HINT}" if device.out_of_memory(e) else ""
-        self._answer(500, {"error": f"the model failed: {e}{hint}"}, started=started)
+        self._error(500, device.model_failed(e), started=started)
         return
       self._answer(200, {"outputs": outputs}, started=started)
       if log_request is not None:
         log_request({"latency_s": time.monotonic() - started, **dataclasses.asdict(record)})
 
+    # ----------------------------------------------------------------- /v1/completions
+    def _complete(self, started: float) -> None:
+      try:
+        request, completion, head = completions.start(self._body())
+      except BadRequest as e:
+        self._error(e.status, str(e), started=started)
+        return
+      except OpenAIError as e:
+        self._answer(e.status, e.body(), started=started)
+        return
+      if not request.stream:
+        self._answer(*completions.answer(completion, head), started=started)
+        return
+      self.send_response(200)
+      self.send_header("Content-Type", "text/event-stream")
+      self.send_header("Cache-Control", "no-cache")
+      self.send_header("Transfer-Encoding", "chunked")
+      self.end_headers()
+      try:
+        for data in completions.events(completion, head, request.include_usage):
+          self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))    # one write, one chunk
+        self.wfile.write(b"0\r\n\r\n")                             # the body's end
+      except OSError:                           # the client went away: its rows stop
+        completion.cancelled = True
+        self.close_connection = True
+      metrics.answered(200, time.monotonic() - started)
+
+    # ---------------------------------------------------------------------- bodies
     def _other_method(self) -> None:
       self._drain(self._length())
       self._method_not_allowed()

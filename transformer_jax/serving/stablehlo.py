@@ -16,8 +16,13 @@ Besides the files of every artifact (serving/artifact.py), the directory holds
                       word_bytes) int32 (inputs.character_ids of the line's words).
   params.npz          the parameters, one array per name: arguments, not constants, so the
                       module stays small and the weights can be swapped.
+  prefill.jax_exported, step.jax_exported
+                      a language model's streaming programs (`Task.streaming_programs`:
+                      sampling.prefill and sampling.step, with symbolic rows and length; the
+                      server runs them as serving/slots.py says), the parameters first too.
 and the manifest adds the inputs' and output's shapes and dtypes, the parameters' names,
-shapes and dtypes, the JAX version, calling convention and platforms.
+shapes and dtypes, the JAX version, calling convention and platforms, and for a language
+model "streaming": those files and its cache's arrays (shapes with "rows" and "length").
 
 Loading imports only jax and numpy besides the format-neutral parts, so serving needs
 neither Flax nor the model code; the writer takes an already built task and parameters and
@@ -39,9 +44,14 @@ from transformer_jax.serving import artifact
 from transformer_jax.serving.artifact import ArtifactError
 from transformer_jax.serving.line_policy import LinePolicy
 from transformer_jax.serving.lines import DEFAULT_MAX_ROWS, Served
+from transformer_jax.serving.slots import LENGTH, ROWS, StreamingPrograms
 
-FORMAT, FORMAT_VERSION = "transformer_jax.stablehlo", 1
+# Version 2: a language model's function takes each prompt as `prompt_ids` encodes it (1 added
+# BOS itself), so an older artifact is refused, to be exported again.
+FORMAT, FORMAT_VERSION = "transformer_jax.stablehlo", 2
 MODEL_FILE, PARAMS_FILE = "model.jax_exported", "params.npz"
+# A language model's streaming programs (serving/slots.py), besides its whole function.
+STREAMING_FILES = {"prefill": "prefill.jax_exported", "step": "step.jax_exported"}
 
 # jax.devices() platform names -> jax.export platform names.
 _EXPORT_PLATFORM = {"gpu": "cuda"}
@@ -71,24 +81,29 @@ def write_artifact(task: Any, params: Any, decode: Any, output: str, *,
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   names = [trees.path_name(path) for path, _ in leaves]
   arrays = [np.asarray(x) for _, x in leaves]
-  inference = task.serving_function(decode)
   word_bytes = task.serving_word_bytes()
+  param_specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays]
 
-  def flat_inference(flat_params: list[jax.Array], tokens: jax.Array,
-                     *chars: jax.Array) -> jax.Array:
-    return inference(jax.tree_util.tree_unflatten(treedef, flat_params), tokens, *chars)
+  def export(function: Any, inputs: list[Any]) -> jax.export.Exported:
+    """`function(params, *inputs)` exported with the parameters as a flat list."""
+    def flat(flat_params: list[jax.Array], *args: Any) -> Any:
+      return function(jax.tree_util.tree_unflatten(treedef, flat_params), *args)
+    return jax.export.export(jax.jit(flat), platforms=list(platforms) if platforms else None)(
+        param_specs, *inputs)
 
   batch, length = jax.export.symbolic_shape("batch, length")
   inputs = [jax.ShapeDtypeStruct((batch, length), jnp.int32)]
   if word_bytes:
     inputs.append(jax.ShapeDtypeStruct((batch, length, word_bytes), jnp.int32))
-  exported = jax.export.export(jax.jit(flat_inference),
-                               platforms=list(platforms) if platforms else None)(
-      [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays], *inputs)
+  exported = export(task.serving_function(decode), inputs)
+  streaming = task.streaming_programs(params, *jax.export.symbolic_shape(f"{ROWS}, {LENGTH}"))
+  programs = {name: export(*streaming[name]) for name in STREAMING_FILES} if streaming else {}
 
   def write_model(directory: str) -> dict[str, Any]:
-    with open(os.path.join(directory, MODEL_FILE), "wb") as f:
-      f.write(exported.serialize())
+    for name, program in ((MODEL_FILE, exported),
+                          *((STREAMING_FILES[k], p) for k, p in programs.items())):
+      with open(os.path.join(directory, name), "wb") as f:
+        f.write(program.serialize())
     storable: dict[str, Any] = {n: _storable(x) for n, x in zip(names, arrays)}
     np.savez(os.path.join(directory, PARAMS_FILE), **storable)
     return {
@@ -106,6 +121,9 @@ def write_artifact(task: Any, params: Any, decode: Any, output: str, *,
         "jax_version": jax.__version__,
         "calling_convention_version": exported.calling_convention_version,
         "platforms": list(exported.platforms),
+        **({"streaming": {**STREAMING_FILES, "cache": [
+            {"shape": [d if isinstance(d, int) else str(d) for d in leaf.shape],
+             "dtype": leaf.dtype.name} for leaf in streaming["cache"]]}} if streaming else {}),
     }
   return artifact.write_directory(task, params, decode, output, write_model, source=source,
                                   lines=lines or LinePolicy())
@@ -124,8 +142,7 @@ def load(directory: str, manifest: dict[str, Any],
   if platform not in manifest["platforms"]:
     raise ArtifactError(f"{directory} was exported for {manifest['platforms']}, not "
                         f"{platform}; export again with --platforms={platform}")
-  with open(os.path.join(directory, MODEL_FILE), "rb") as f:
-    exported = jax.export.deserialize(bytearray(f.read()))
+  exported = _deserialize(directory, MODEL_FILE)
   with np.load(os.path.join(directory, PARAMS_FILE)) as stored:
     arrays = [stored[p["name"]].view(jnp.dtype(p["dtype"])) for p in manifest["params"]]
   for spec, array, aval in zip(manifest["params"], arrays, exported.in_avals[:len(arrays)]):
@@ -139,4 +156,14 @@ def load(directory: str, manifest: dict[str, Any],
   def function(tokens: np.ndarray, chars: np.ndarray | None = None) -> np.ndarray:
     extra = [] if chars is None else [jnp.asarray(chars, jnp.int32)]
     return np.asarray(call(params, jnp.asarray(tokens, jnp.int32), *extra))
+  streaming = manifest.get("streaming")
+  if streaming:
+    prefill, step = (_deserialize(directory, streaming[name]).call for name in STREAMING_FILES)
+    return Served(directory, manifest, function, max_rows, streaming=StreamingPrograms(
+        params, prefill, step, streaming["cache"], int(manifest["max_len"])))
   return Served(directory, manifest, function, max_rows)
+
+
+def _deserialize(directory: str, name: str) -> jax.export.Exported:
+  with open(os.path.join(directory, name), "rb") as f:
+    return jax.export.deserialize(bytearray(f.read()))

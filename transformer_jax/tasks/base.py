@@ -266,6 +266,12 @@ class Task(abc.ABC):
     CRF's learned transition scores); the artifact's manifest keeps them."""
     return {}
 
+  def streaming_programs(self, params: Any, rows: Any, length: Any) -> dict[str, Any] | None:
+    """For a task whose outputs stream token by token (a language model, tasks/lm.py): the
+    programs a served model streams with, for `rows` rows of `length` tokens (symbolic
+    dims); None for a task whose outputs do not."""
+    return None
+
   # ------------------------------------------------------------------ evaluation
   @abc.abstractmethod
   def evaluate(self, params: Any, batches: Sequence[EvalBatch], eval_step: EvalStep,

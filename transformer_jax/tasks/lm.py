@@ -12,9 +12,11 @@ the file's pieces at its blank lines, which join back into the whole file. data.
   rows with segment ids (a longer one is cut into pieces under data.too_long="split").
 
 Batch keys: inputs, targets, positions, segment_ids. A prompt line (predict, serving) is
-BOS + its text, `\\n` in it read as a newline and `\\\\` as a backslash; its output line is
-the continuation, written the same way. A prompt longer than the context keeps its last
-tokens after BOS: the model sees max_len tokens, the continuation's among them.
+its text as the model's tokenizer encodes a prompt (`data.tokenizer.prompt_ids`: BOS first
+for models trained here and where a Hugging Face tokenizer adds it, as Llama's; none for
+GPT-2's), `\\n` in it read as a newline and `\\\\` as a backslash; its output line is the
+continuation, written the same way. A prompt longer than the context keeps its last tokens
+(after its BOS): the model sees max_len tokens, the continuation's among them.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from transformer_jax import sampling
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig
 from transformer_jax.data import readers
 from transformer_jax.data.pipeline import EvalBatch as PipelineBatch
-from transformer_jax.data.tokenizer import check_known_characters
+from transformer_jax.data.tokenizer import prompt_ids, prompt_tail
 from transformer_jax.modules.models import LanguageModel
 from transformer_jax.options import DataOptions, DecodeOptions
 from transformer_jax.serving.line_policy import LinePolicy, escape_line
@@ -70,7 +72,8 @@ class LanguageModelTask(TokenPredictingTask):
   token_keys = {"inputs": "source"}
   counted_keys = ("targets",)
   metric_names = ("loss", "accuracy", "perplexity", "bits_per_character")
-  tokenizer_kinds = ("chars", "sentencepiece", "byte_bpe")   # byte_bpe: GPT-2's (init_from)
+  # byte_bpe, hf_tokenizer: an import's (GPT-2's, Llama's), through init_from
+  tokenizer_kinds = ("chars", "sentencepiece", "byte_bpe", "hf_tokenizer")
   serving_output = "continuation"
   long_inputs = "truncate"     # a prompt keeps its last tokens (see `truncate`)
   strict_utf8 = True           # a prompt that is not UTF-8 is refused, not guessed at
@@ -102,11 +105,14 @@ class LanguageModelTask(TokenPredictingTask):
   # ------------------------------------------------------------------- records
   def record_from_line(self, line: str) -> dict:
     """A prompt (its escapes already read by the line policy)."""
-    check_known_characters(self.tokenizer, line)
-    return {"text": line}
+    return {"prompt": line}
 
   def featurize(self, record: dict) -> Example:
-    """A document: BOS + text -> text + EOS."""
+    """A document: BOS + text -> text + EOS. A prompt: its `prompt_ids` (its targets
+    mirror them: a prompt predicts nothing, but a batch has both keys)."""
+    if "prompt" in record:
+      prompt = ids(prompt_ids(self.tokenizer, record["prompt"]))
+      return {"inputs": prompt, "targets": prompt}
     tokens = self.tokenizer.encode(record["text"])
     return {"inputs": ids([BOS_ID] + tokens), "targets": ids(tokens + [EOS_ID])}
 
@@ -114,9 +120,11 @@ class LanguageModelTask(TokenPredictingTask):
     return len(example["targets"]) <= 1
 
   def truncate(self, example: Example, length: int, keep: str = "tail") -> Example:
-    """BOS and the last length - 1 tokens (a prompt's context)."""
-    return {k: np.concatenate([v[:1], v[len(v) - length + 1:]]) if length > 1 else v[:1]
-            for k, v in example.items()}
+    """The last `length` tokens, after the first where the inputs start with BOS (a
+    document, a prompt of a model whose texts start with BOS)."""
+    inputs = example["inputs"]
+    head = int(len(inputs) > 0 and inputs[0] == BOS_ID)
+    return {k: prompt_tail(v, length, head) for k, v in example.items()}
 
   def line_policy(self, data: DataOptions) -> LinePolicy:
     return LinePolicy(too_long="truncate", truncate="tail", escapes=True)
@@ -161,7 +169,7 @@ class LanguageModelTask(TokenPredictingTask):
   # ---------------------------------------------------------------- generation
   def continue_prompts(self, params: Any, prompts: Sequence[np.ndarray],
                        decode: DecodeOptions) -> list[str]:
-    """Each prompt's (token ids, no BOS) continuation as text (sampling.generate)."""
+    """Each prompt's (its `prompt_ids`) continuation as text (sampling.generate)."""
     sampling.check_room(self.model_config, decode.max_new_tokens)
     width = max([len(p) for p in prompts] + [1])
     rows = np.zeros((len(prompts), width), np.int32)
@@ -174,18 +182,42 @@ class LanguageModelTask(TokenPredictingTask):
   def predict(self, params: Any, batch: Mapping[str, np.ndarray],
               decode: DecodeOptions) -> list[str]:
     """Each row's continuation as one line (escaped, as the line policy reads prompts)."""
-    prompts = [row[1:][row[1:] != PAD_ID] for row in np.asarray(batch["inputs"])]   # no BOS
+    prompts = [row[row != PAD_ID] for row in np.asarray(batch["inputs"])]
     return [escape_line(t) for t in self.continue_prompts(params, prompts, decode)]
 
   def serving_function(self, decode: DecodeOptions) -> Callable[..., jax.Array]:
-    """(params, prompt ids (B, S) right-padded, no BOS) -> (B, max_new_tokens) continuation
-    ids, drawn with the run's decode options as predict draws them."""
+    """(params, prompt ids (B, S) right-padded, as `prompt_ids` encodes them) ->
+    (B, max_new_tokens) continuation ids, drawn with the run's decode options as predict
+    draws them."""
     sampling.check_room(self.model_config, decode.max_new_tokens)
 
     def continue_lines(params: Any, prompts: jax.Array) -> jax.Array:
       return sampling.generate(self.model, params, prompts, decode.max_new_tokens,
                                decode.temperature, decode.top_k, decode.top_p, decode.seed)
     return continue_lines
+
+  def streaming_programs(self, params: Any, rows: Any, length: Any) -> dict[str, Any]:
+    """sampling.prefill and sampling.step, as the served model's "prefill" and "step":
+    each (function of (params, *inputs), the inputs' shapes) for `rows` rows of `length`
+    tokens, with the KV cache as a flat list of arrays ("cache": their shapes). A server
+    keeps the cache of its decoding batch between them (serving/slots.py)."""
+    model = self.model
+    row = lambda dtype, *more: jax.ShapeDtypeStruct((rows, *more), dtype)   # noqa: E731
+    settings = [row(jnp.float32), row(jnp.int32), row(jnp.float32)]   # temperature, k, p
+    prefill_inputs = [row(jnp.int32, length), row(jnp.int32), row(jnp.uint32), row(jnp.int32),
+                      *settings]          # prompts, max_new_tokens, seeds, choices
+    cache, treedef = jax.tree_util.tree_flatten(jax.eval_shape(
+        lambda p, *inputs: sampling.prefill(model, p, *inputs)[0], params, *prefill_inputs))
+
+    def prefill(params: Any, *inputs: jax.Array) -> tuple[Any, ...]:
+      cache, first, lengths, keys = sampling.prefill(model, params, *inputs)
+      return jax.tree_util.tree_leaves(cache), first, lengths, keys
+
+    def step(params: Any, cache: list[jax.Array], *inputs: jax.Array) -> tuple[Any, ...]:
+      cache, drawn = sampling.step(model, params, treedef.unflatten(cache), *inputs)
+      return jax.tree_util.tree_leaves(cache), drawn
+    step_inputs = [cache, row(jnp.int32), row(jnp.int32), row(jnp.uint32, 2), *settings]
+    return {"prefill": (prefill, prefill_inputs), "step": (step, step_inputs), "cache": cache}
 
   # ---------------------------------------------------------------- evaluation
   def evaluate(self, params: Any, batches: Sequence[EvalBatch], eval_step: EvalStep,
@@ -207,10 +239,10 @@ class LanguageModelTask(TokenPredictingTask):
       return []
     decode = dataclasses.replace(
         decode, max_new_tokens=min(decode.max_new_tokens, self.model_config.max_len // 2))
-    outputs = self.continue_prompts(params, [p[1:] for p, _ in rows], decode)
+    outputs = self.continue_prompts(params, [p for p, _ in rows], decode)
     samples = []
     for (prompt, record), output in zip(rows, outputs):
-      shown = self.tokenizer.decode(prompt[1:])
+      shown = self.tokenizer.decode(prompt)
       reference = record["text"][len(shown):len(shown) + len(output)]
       samples.append((escape_line(shown), escape_line(output), escape_line(reference)))
     return samples

@@ -31,6 +31,7 @@ def smoothing_entropy(vocab_size: int, smoothing: float) -> float:
   return entropy
 
 
+@jax.named_scope("loss")   # a profile's (and aot.roofline's) family
 def cross_entropy_sums(logits: jax.Array, targets: jax.Array, smoothing: float = 0.0,
                        weights: jax.Array | None = None) -> dict[str, jax.Array]:
   """Sums over non-padding tokens (normalise by "weight" after summing across devices or

@@ -28,7 +28,13 @@ from transformer_jax.data.tokenizer import tokenizer_item
 from transformer_jax.data.vocab import SPECIALS
 from transformer_jax.errors import MissingFileError, UserError
 from transformer_jax.modules import kernels
-from transformer_jax.options import DecodeOptions, EvalOptions, RunOptions, TrainOptions
+from transformer_jax.options import (
+  DataOptions,
+  DecodeOptions,
+  EvalOptions,
+  RunOptions,
+  TrainOptions,
+)
 from transformer_jax.renamed_fields import upgrade
 from transformer_jax.tasks import Task
 from transformer_jax.training.optimizers import make_optimizer, make_schedule
@@ -65,15 +71,21 @@ def validate(options: RunOptions, task: type[Task]) -> None:
                     "data.max_length")
 
 
-def model_config(options: RunOptions, task: type[Task], vocab_size: int,
+def model_config(options: Any, task: type[Task], vocab_size: int,
                  target_vocab_size: int | None = None,
                  pretrained: dict | None = None) -> tuple[TransformerConfig, dict]:
-  """The config's model group with the data's vocabulary sizes (target_vocab_size: a
+  """The config's (RunOptions, or the config they parse from) model group with the data's
+  vocabulary sizes and bound on segments per row (target_vocab_size: a
   separate target vocabulary), and the task's head options. With a `pretrained` run config
   (init_from), the architecture is the pretrained model's and only FINE_TUNING_FIELDS come
   from the config; a model of another task (a pretrained encoder) gives the architecture
   and the head options that shape the encoder's parameters, the config the others."""
+  options = RunOptions.parse(options)
   model = dict(options.model)
+  # The packer's bound is the data's (data.max_segments): a saved run config's copy (its
+  # config.json, read back by some benchmarks) is recomputed, never taken as given.
+  model.pop("max_segments", None)
+  bound = {"max_segments": segments_per_row(options.data, task)}
   if pretrained is not None:   # its vocabulary sizes too: the data uses its tokenizers
     saved = dict(pretrained["model"])
     if TrainOptions.from_dict(pretrained).task != task.name:
@@ -86,7 +98,7 @@ def model_config(options: RunOptions, task: type[Task], vocab_size: int,
     if fields["vocab_size"] != vocab_size:
       raise UserError(f"init_from: the pretrained model has {fields['vocab_size']} source "
                        f"ids but its tokenizer {vocab_size}")
-    return TransformerConfig.from_dict(fields), head
+    return TransformerConfig.from_dict({**fields, **bound}), head
   fields, head = tasks.split_model_fields(task, model)
   fields["vocab_size"] = vocab_size
   if target_vocab_size is not None:
@@ -95,7 +107,24 @@ def model_config(options: RunOptions, task: type[Task], vocab_size: int,
                       "target, but data.shared_vocab=False gives two; set "
                       "--config.model.share_embeddings=False")
     fields["target_vocab_size"] = target_vocab_size
-  return TransformerConfig.from_dict(fields), head
+  return TransformerConfig.from_dict({**fields, **bound}), head
+
+
+def segments_per_row(data: DataOptions, task: type[Task]) -> int:
+  """The most sequences a training row holds (0: no bound): 1 for unpacked rows (synthetic
+  data, data.pack=False, a language model's stream windows), else data.max_segments,
+  which the packer enforces."""
+  stream = data.layout == "stream" and hasattr(task, "stream_window")
+  return 1 if data.synthetic or not data.pack or stream else data.max_segments
+
+
+def check_packed_kernel(implementation: str, bound: int, platform: str) -> None:
+  """cuDNN's packed layout is sized by the bound on segments per row: refuses packed rows
+  without one, before any data is read."""
+  if kernels.resolve(implementation, platform) == "cudnn" and bound == 0:
+    raise UserError(f"model.attention_impl={implementation!r} on packed rows needs "
+                    "data.max_segments > 0: cuDNN's packed layout is sized by the most "
+                    "sequences a row holds (e.g. --config.data.max_segments=16)")
 
 
 def _pretrained(train: TrainOptions, task: type[Task]) -> checkpoint.ModelRecord | None:
@@ -203,6 +232,9 @@ class Experiment:
         options.model.get("attention_impl", defaults["attention_impl"].default),
         options.model.get("attention_dropout_rate", defaults["attention_dropout_rate"].default),
         on=mesh.devices.flat[0].platform)
+    check_packed_kernel(
+        options.model.get("attention_impl", defaults["attention_impl"].default),
+        segments_per_row(options.data, task_cls), mesh.devices.flat[0].platform)
     pretrained = _pretrained(train, task_cls)
     source = None
     if data:

@@ -120,20 +120,23 @@ def make_train_step(task: Any, optimizer: optax.GradientTransformation,
     with sharding.activations_split_over_batch(batch_sharding):
       grads, sums = grads_and_sums(state.params, batch, rng)
     weight = jnp.maximum(sums["weight"], 1.0)
-    grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
+    with jax.named_scope("optimizer"):
+      grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
     if split_gradients_over_data:
       grads = jax.lax.with_sharding_constraint(
           grads, sharding.split_over_data(state_sharding.params, grads))
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    # A select, not a lax.cond: XLA fuses it into the update, while a branch around the
-    # update costs copies of the state (XLA's estimate for big on v5p-8: 46.5 ms a step
-    # against 41.2 ms; benchmarks/RESULTS.md).
-    finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
-    new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
-                              opt_state=keep(opt_state, state.opt_state))
+    with jax.named_scope("optimizer"):   # a profile's (and aot.roofline's) family
+      grad_norm = optax.tree.norm(grads)
+      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      # A select, not a lax.cond: XLA fuses it into the update, while a branch around the
+      # update costs copies of the state (XLA's estimate for big on v5p-8: 46.5 ms a step
+      # against 41.2 ms; benchmarks/RESULTS.md).
+      finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
+      keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o),
+                                                     new, old)
+      new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
+                                opt_state=keep(opt_state, state.opt_state))
     metrics = {
         "loss": sums["loss"] / weight,
         "accuracy": sums["correct"] / weight,

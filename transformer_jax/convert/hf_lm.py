@@ -1,0 +1,151 @@
+"""What the Hugging Face language models (hf_gpt2, hf_llama) share: a family's tables (its
+config, tensor names and tokenizer files, `Family`), the tokenizer's ids in config.json, the
+rows of their vocabulary in our ids, a state_dict read tensor by tensor, and the import and
+the export themselves (`Family.read`, `Family.write`).
+
+Their tokenizers are Hugging Face's (data/hf_tokenizer.py): our ids are theirs re-ordered
+with PAD, BOS, EOS and UNK first, so every table over the vocabulary (the token embedding,
+an untied lm_head) is re-laid on the way in and out, zero rows standing for the ids they
+have no token for. The import is greedy, as `generate()` is by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Callable
+
+import numpy as np
+
+from transformer_jax.config import TransformerConfig
+from transformer_jax.convert.files import Imported, OurModel, read_json, write_json
+from transformer_jax.convert.hf import need_file, read_weights, write_weights
+from transformer_jax.convert.tensors import ConvertError, check_shape
+from transformer_jax.data.hf_tokenizer import HFTokenizer
+from transformer_jax.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """A family of Hugging Face language models, both ways."""
+  name: str                 # the format: "hf_gpt2"
+  title: str                # in messages: "GPT-2"
+  layout: str               # what its directory holds, for a missing file's message
+  read_tokenizer: Callable[[str], HFTokenizer]
+  config_from_hf: Callable[[dict, HFTokenizer, str], TransformerConfig]
+  state_to_params: Callable[[dict[str, np.ndarray], TransformerConfig, HFTokenizer, str], dict]
+  incompatibility: Callable[[TransformerConfig, Any], "str | None"]
+  hf_config: Callable[[TransformerConfig, HFTokenizer], dict]
+  params_to_state: Callable[[dict, TransformerConfig, HFTokenizer], dict[str, np.ndarray]]
+
+  def read(self, directory: str, allow_pickle: bool = False) -> Imported:
+    """(config, params, run config, tokenizer, tokenizer) of a save_pretrained directory of
+    the family."""
+    hf = read_json(need_file(directory, "config.json", self.layout))
+    try:
+      tokenizer = self.read_tokenizer(directory)
+    except ConvertError:
+      raise
+    except UserError as e:   # the tokenizer's files refused
+      raise ConvertError(f"{directory}: {e}") from None
+    cfg = self.config_from_hf(hf, tokenizer, os.path.join(directory, "config.json"))
+    weights, state = read_weights(directory, allow_pickle)
+    params = self.state_to_params(state, cfg, tokenizer, weights)
+    run_config = {"task": "lm", "model": cfg.to_dict(),
+                  # Greedy, as generate() is by default; room for a prompt as long.
+                  "decode": {"temperature": 0.0, "max_new_tokens": min(200, cfg.max_len // 2)},
+                  "converted_from": {"format": self.name, "path": os.path.abspath(directory)}}
+    return cfg, params, run_config, tokenizer, tokenizer
+
+  def write(self, model: OurModel, output: str) -> str:
+    """Writes `model` as a save_pretrained directory of the family at `output` (absent or
+    empty), which its model class and AutoTokenizer load; returns notes ("")."""
+    cfg, tokenizer = model.config, model.record.assets.tokenizer
+    problem = self.incompatibility(cfg, tokenizer)
+    if problem:
+      raise ConvertError(f"{model.path}: cannot export to {self.title}: {problem}")
+    os.makedirs(output, exist_ok=True)
+    write_weights(output, self.params_to_state(model.params, cfg, tokenizer))
+    write_json(os.path.join(output, "config.json"), self.hf_config(cfg, tokenizer))
+    write_json(os.path.join(output, "generation_config.json"),
+               {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.end_id})
+    tokenizer.write_hf_files(output, model_max_length=cfg.max_len)
+    return ""
+
+
+def check_vocabulary(hf: dict, tokenizer: HFTokenizer, source: str) -> None:
+  """config.json's vocab_size, bos_token_id and eos_token_id must be the tokenizer's (a
+  generation here stops at one token, the tokenizer's eos_token)."""
+  if hf.get("vocab_size") != tokenizer.size:
+    raise ConvertError(f"{source}: vocab_size={hf.get('vocab_size')}, but the tokenizer has "
+                       f"{tokenizer.size} tokens")
+  for name, expected in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.end_id)):
+    if hf.get(name, expected) != expected:
+      token = tokenizer.eos_token if name == "eos_token_id" else "bos_token"
+      raise ConvertError(f"{source}: {name}={hf[name]!r} is not the tokenizer's {token} "
+                         f"({expected}), the one token this project "
+                         f"{'ends' if name == 'eos_token_id' else 'starts'} texts with")
+
+
+def rows_to_ours(theirs: np.ndarray, tokenizer: HFTokenizer) -> np.ndarray:
+  """Their (V, D) rows (token embeddings, an lm_head) in our ids: zero rows for the ids
+  they have no token for (never read, never scored)."""
+  table = np.zeros((tokenizer.vocab_size, theirs.shape[1]), np.float32)
+  table[tokenizer.to_ours(np.arange(tokenizer.size))] = theirs
+  return table
+
+
+def rows_to_theirs(ours: np.ndarray, tokenizer: HFTokenizer) -> np.ndarray:
+  """Our (vocab, D) rows in their ids (the absent ids' rows dropped)."""
+  return ours[tokenizer.to_ours(np.arange(tokenizer.size))]
+
+
+class StateDict:
+  """A state_dict (`prefix`, the model class's, removed from its keys) read tensor by
+  tensor: `take` checks a tensor's shape, `check_all_taken` names one left over (an option
+  this project lacks). Keys matching `skipped` (buffers older files keep) are ignored."""
+
+  def __init__(self, state: dict[str, np.ndarray], source: str, prefix: str,
+               skipped: str = r"^$"):
+    self.state = {k.removeprefix(prefix): v for k, v in state.items()}
+    self.source, self._skipped = source, re.compile(skipped)
+    self._taken: set[str] = set()
+
+  def __contains__(self, key: str) -> bool:
+    return key in self.state
+
+  def take(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
+    if key not in self.state:
+      raise ConvertError(f"{self.source}: missing tensor {key}")
+    check_shape(key, self.state[key], shape, self.source)
+    self._taken.add(key)
+    return self.state[key]
+
+  def check_all_taken(self) -> None:
+    left = sorted(k for k in set(self.state) - self._taken if not self._skipped.search(k))
+    if left:
+      raise ConvertError(f"{self.source}: unexpected tensor {left[0]} ({len(left)} in all): "
+                         "an option this project lacks")
+
+  def tied_output(self, key: str, embedding_key: str, why: str) -> None:
+    """A tied model's output `key`, where the file keeps one: it must be `embedding_key`."""
+    if key in self.state:
+      embedding = self.state[embedding_key]
+      if not np.array_equal(self.take(key, embedding.shape), embedding):
+        raise ConvertError(f"{self.source}: {key} differs from {embedding_key}: {why}")
+
+
+def tokenizer_problem(cfg: TransformerConfig, tokenizer: Any, expected: type[HFTokenizer],
+                      what: str) -> str | None:
+  """Why `tokenizer` cannot be the exported model's (`expected`, named `what`), or None.
+  Its absent ids must be the model's: the output scores them NO_TOKEN_LOGIT."""
+  if not isinstance(tokenizer, expected):
+    return (f"tokenizer kind {getattr(tokenizer, 'kind', None)!r}: {what} (an import's "
+            "tokenizer)")
+  if (cfg.bos_is_eos, set(cfg.no_token_ids)) != (tokenizer.bos_is_eos,
+                                                 set(tokenizer.absent_ids)):
+    return (f"model.bos_is_eos={cfg.bos_is_eos} and model.absent_ids={cfg.absent_ids}, "
+            f"but the tokenizer has bos_is_eos={tokenizer.bos_is_eos} and absent ids "
+            f"{tokenizer.absent_ids}")
+  return None

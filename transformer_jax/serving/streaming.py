@@ -1,0 +1,329 @@
+"""The server's continuous batcher for a language model's completions (POST /v1/completions,
+serving/openai_api.py): one thread decodes the choices of every request in flight together,
+a step at a time, and each choice's tokens go out as they are drawn.
+
+The decoding batch has `slots` rows (slots.py keeps their KV cache on the device). A
+request's choices (each prompt n times) queue, oldest first. Before each step the waiting
+choices take the free slots, lowest first: their prompts run through the model in one
+prefill call per prompt length bucket, which draws each one's first token. Then one step
+feeds every busy row its last token at its own position and draws the next. A choice that
+draws EOS, ends in a stop string or reaches max_tokens frees its slot at once, for a waiting
+choice at the next step. Each row's cache is written at its own positions
+(modules/attention.py), and each choice draws with a key of its seed and its own prompt
+(sampling.prefill): a choice's text depends neither on the rows beside it nor on when it
+joined (tests/test_streaming.py), and equals what predict writes at the same settings.
+
+A step runs the first rows of the batch, a power of two that holds every busy slot, over
+the first positions of the cache, a length bucket that holds every busy row's position: one
+row early in its text costs one row over a short window, not the whole batch over max_len.
+Prefill rows are padded to a power of two by repeating the last, as lines.py pads rows.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+import time
+from typing import Callable, Deque, Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+from transformer_jax.data.tokenizer import prompt_tail
+from transformer_jax.inputs import bucket_for, bucket_lengths
+from transformer_jax.serving.metrics import CompileClock, ServerMetrics
+from transformer_jax.serving.slots import DecodingBatch
+
+Decode = Callable[[list[int]], str]    # token ids -> text (the served model's tokenizer)
+
+
+def _power_of_two(n: int) -> int:
+  """The least power of two >= n: the row counts of the programs' calls."""
+  return 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """How a request's choices draw (sampling.py): up to `max_tokens` tokens at `temperature`
+  (0: greedy) from the `top_k` likeliest (0: all) within the `top_p` nucleus; `seed` fixes
+  the draws; the text ends before the first of `stops`."""
+  max_tokens: int
+  temperature: float
+  top_k: int
+  top_p: float
+  seed: int
+  stops: tuple[str, ...] = ()
+
+
+_IDLE = Sampling(1, 0.0, 0, 1.0, 0)     # a row without a choice: greedy, its token unread
+
+
+class Event(NamedTuple):
+  """One drawn token of a choice (its index): the text it lets out (empty while held back:
+  the start of a stop string, or an incomplete character), and on the choice's last token
+  why it ended ("stop": EOS or a stop string; "length": max_tokens)."""
+  choice: int
+  text: str
+  finish_reason: str | None
+
+
+class TextStream:
+  """A choice's text as its tokens come: each token's text is let out once it can no longer
+  change (a byte-level tokenizer decodes an incomplete character as U+FFFD) nor begin a stop
+  string; the text ends before the first stop string. The text sent is the choice's text,
+  streamed or not."""
+
+  def __init__(self, decode: Decode, stops: Sequence[str]):
+    self._decode, self._stops = decode, stops
+    self.ids: list[int] = []
+    self.sent = ""
+
+  def add(self, token: int) -> tuple[str, bool]:
+    """The text `token` lets out, and whether a stop string ended the text."""
+    self.ids.append(token)
+    text = self._decode(self.ids)
+    ends = [i for i in (text.find(stop) for stop in self._stops) if i >= 0]
+    if ends:
+      return self._release(text[:min(ends)]), True
+    return self._release(text[:len(text) - self._held(text)]), False
+
+  def finish(self) -> str:
+    """The text held back, now that no token follows."""
+    return self._release(self._decode(self.ids))
+
+  def _held(self, text: str) -> int:
+    """Characters at the end of `text` that may still change or begin a stop string."""
+    incomplete = len(text) - len(text.rstrip("\ufffd"))
+    begun = [k for stop in self._stops for k in range(1, len(stop)) if text.endswith(stop[:k])]
+    return max([incomplete, *begun])
+
+  def _release(self, text: str) -> str:
+    """What `text` adds to the text sent. (A decoding that rewrote text already sent would
+    be let out no further: the text sent stays the choice's text.)"""
+    if not text.startswith(self.sent):
+      return ""
+    added, self.sent = text[len(self.sent):], text
+    return added
+
+
+class Choice:
+  """One choice of a request: a prompt's ids (cut to the context) and its progress."""
+
+  def __init__(self, completion: "Completion", index: int, prompt: list[int], nth: int,
+               decode: Decode):
+    self.completion, self.index, self.prompt, self.nth = completion, index, prompt, nth
+    self.text = TextStream(decode, completion.sampling.stops)
+    self.drawn = 0                      # tokens drawn, EOS included
+    self.finish_reason: str | None = None
+    self.slot, self.position, self.last = -1, 0, 0   # where and what it feeds next
+    self.key = np.zeros(2, np.uint32)
+    self.last_at = 0.0                  # time.monotonic() of its last token
+
+
+class Completion:
+  """One request: each prompt's n choices (prompt i's choice j has index i * n + j, as
+  OpenAI numbers them) and the events of their tokens as they are drawn."""
+
+  def __init__(self, prompts: Sequence[list[int]], n: int, sampling: Sampling, decode: Decode):
+    self.sampling = sampling
+    self.choices = [Choice(self, i * n + j, prompt, j, decode)
+                    for i, prompt in enumerate(prompts) for j in range(n)]
+    self.prompt_tokens = sum(len(p) for p in prompts)
+    self.queued = time.monotonic()
+    self.error: str | None = None       # set when the model failed
+    self.cancelled = False              # set when the client went away
+    self._events: queue.SimpleQueue[Event | None] = queue.SimpleQueue()
+
+  @property
+  def completion_tokens(self) -> int:
+    return sum(c.drawn for c in self.choices)
+
+  def put(self, event: Event | None) -> None:
+    self._events.put(event)
+
+  def events(self) -> Iterator[list[Event]]:
+    """The events as they come, each time all that are there (a reader that fell behind
+    catches up at once), until every choice has ended or the model failed (then `error`
+    says how)."""
+    ended = 0
+    while ended < len(self.choices):
+      got = [self._events.get()]
+      while not self._events.empty():
+        got.append(self._events.get_nowait())
+      events = [event for event in got if event is not None]
+      ended += sum(event.finish_reason is not None for event in events)
+      if events:
+        yield events
+      if len(events) < len(got):      # None: the model failed
+        return
+
+  def wait(self) -> None:
+    for _ in self.events():
+      pass
+
+
+class StreamBatcher:
+  """Decodes the choices of concurrent completions in one batch of `batch.slots` rows (see
+  the module doc). `start=False` runs no thread: the caller calls `run_once` (tests)."""
+
+  def __init__(self, batch: DecodingBatch, decode: Decode, eos: int,
+               metrics: ServerMetrics | None = None, start: bool = True):
+    self.batch, self.decode, self.eos = batch, decode, eos
+    self.max_len = batch.programs.max_len
+    self.buckets = bucket_lengths(self.max_len)
+    self.metrics = metrics or ServerMetrics()
+    self._rows: list[Choice | None] = [None] * batch.slots
+    self._waiting: Deque[Choice] = collections.deque()
+    self._cond = threading.Condition()
+    if start:
+      threading.Thread(target=self._loop, name="streams", daemon=True).start()
+
+  def submit(self, prompts: Sequence[Sequence[int]], n: int, sampling: Sampling) -> Completion:
+    """Queues `n` choices of each prompt (ids as `prompt_ids` encodes them), each cut to
+    the context max_tokens leaves, as predict cuts it."""
+    context = self.max_len - sampling.max_tokens
+    kept = [prompt_tail(np.asarray(p, np.int32), context).tolist() for p in prompts]
+    completion = Completion(kept, n, sampling, self.decode)
+    with self._cond:
+      self._waiting.extend(completion.choices)
+      self._cond.notify()
+    return completion
+
+  def warm_up(self, tokens: int) -> int:
+    """Compiles the programs for every batch shape that texts of up to `tokens` tokens
+    (prompt and completion) use, so that no request waits for a compilation (each new shape
+    otherwise compiles on first use); returns how many shapes. Before any request."""
+    last = bucket_for(min(tokens, self.max_len), self.buckets)
+    widths = [width for width in self.buckets if width <= last]
+    slots = self.batch.slots
+    prefills = {_power_of_two(n) for n in range(1, slots + 1)}          # rows joining at once
+    steps = {min(slots, _power_of_two(slot + 1)) for slot in range(slots)}   # see _step
+    for rows in sorted(prefills):
+      zeros = np.zeros(rows, np.int32)
+      for width in widths:
+        self.batch.prefill(zeros, np.zeros((rows, width), np.int32), zeros + 1, zeros, zeros,
+                           *self._settings([_IDLE] * rows))
+    for rows in sorted(steps):
+      zeros = np.zeros(rows, np.int32)
+      for width in widths:
+        self.batch.step(width, zeros, zeros, np.zeros((rows, 2), np.uint32),
+                        *self._settings([_IDLE] * rows))
+    return (len(prefills) + len(steps)) * len(widths)
+
+  def idle(self) -> bool:
+    with self._cond:
+      return not self._waiting and all(row is None for row in self._rows)
+
+  def run_once(self) -> None:
+    """Admits waiting choices to free slots, then steps the busy rows once."""
+    compiled = CompileClock.seconds()
+    try:
+      self._admit()
+      self._step()
+    except Exception as e:  # noqa: BLE001  (a model failure is answered, not fatal)
+      self._fail(f"{type(e).__name__}: {e}")
+    self.metrics.compile.inc(CompileClock.seconds() - compiled)   # a new shape compiled
+
+  def _loop(self) -> None:
+    while True:
+      with self._cond:
+        self._cond.wait_for(lambda: self._waiting or any(r is not None for r in self._rows))
+      self.run_once()
+
+  # ------------------------------------------------------------------------ admission
+  def _admit(self) -> None:
+    with self._cond:
+      free = [slot for slot, row in enumerate(self._rows) if row is None]
+      joining: list[Choice] = []
+      while self._waiting and len(joining) < len(free):
+        choice = self._waiting.popleft()
+        if not (choice.completion.cancelled or choice.completion.error):
+          joining.append(choice)
+      for choice, slot in zip(joining, free):
+        choice.slot, self._rows[slot] = slot, choice
+    groups: dict[int, list[Choice]] = {}
+    for choice in joining:
+      groups.setdefault(bucket_for(len(choice.prompt), self.buckets), []).append(choice)
+    for width, group in sorted(groups.items()):
+      self._prefill(group, width)
+
+  def _prefill(self, group: list[Choice], width: int) -> None:
+    rows = [*group, *[group[-1]] * (_power_of_two(len(group)) - len(group))]
+    prompts = np.zeros((len(rows), width), np.int32)
+    for row, choice in enumerate(rows):
+      prompts[row, :len(choice.prompt)] = choice.prompt
+    sampling = [c.completion.sampling for c in rows]
+    first, lengths, keys = self.batch.prefill(
+        np.array([c.slot for c in rows]), prompts, np.array([s.max_tokens for s in sampling]),
+        np.array([s.seed for s in sampling], np.uint32), np.array([c.nth for c in rows]),
+        *self._settings(sampling))
+    now = time.monotonic()
+    for row, choice in enumerate(group):
+      choice.position, choice.key = int(lengths[row]), keys[row]
+      self.metrics.first_token.observe(now - choice.completion.queued)
+      self._emit(choice, int(first[row]), now)
+
+  @staticmethod
+  def _settings(sampling: Sequence[Sampling]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return (np.array([s.temperature for s in sampling], np.float32),
+            np.array([s.top_k for s in sampling], np.int32),
+            np.array([s.top_p for s in sampling], np.float32))
+
+  # ----------------------------------------------------------------------------- step
+  def _step(self) -> None:
+    for slot, row in enumerate(self._rows):
+      if row is not None and row.completion.cancelled:
+        self._free(row)
+    busy = [(slot, row) for slot, row in enumerate(self._rows) if row is not None]
+    self.metrics.slots_busy.set(len(busy))
+    if not busy:
+      return
+    count = min(self.batch.slots, _power_of_two(busy[-1][0] + 1))   # rows 0..count-1
+    tokens, positions = np.zeros(count, np.int32), np.zeros(count, np.int32)
+    keys = np.zeros((count, 2), np.uint32)
+    sampling = [_IDLE] * count
+    for slot, row in busy:
+      tokens[slot], positions[slot], keys[slot] = row.last, row.position, row.key
+      sampling[slot] = row.completion.sampling
+    window = bucket_for(int(positions.max()) + 1, self.buckets)
+    drawn = self.batch.step(window, tokens, positions, keys, *self._settings(sampling))
+    now = time.monotonic()
+    for slot, row in busy:
+      row.position += 1
+      self.metrics.between_tokens.observe(now - row.last_at)
+      self._emit(row, int(drawn[slot]), now)
+
+  def _emit(self, choice: Choice, token: int, now: float) -> None:
+    """Records `token` as `choice`'s next and sends its event; frees the slot of a choice
+    that ended."""
+    choice.drawn += 1
+    choice.last, choice.last_at = token, now
+    self.metrics.completion_tokens.inc()
+    reason: str | None
+    if token == self.eos:
+      text, reason = choice.text.finish(), "stop"
+    else:
+      text, stopped = choice.text.add(token)
+      reason = "stop" if stopped else None
+      if reason is None and choice.drawn == choice.completion.sampling.max_tokens:
+        text, reason = text + choice.text.finish(), "length"
+    if reason is not None:
+      choice.finish_reason = reason
+      self._free(choice)
+    choice.completion.put(Event(choice.index, text, reason))
+
+  def _free(self, choice: Choice) -> None:
+    with self._cond:
+      if choice.slot >= 0 and self._rows[choice.slot] is choice:
+        self._rows[choice.slot] = None
+
+  def _fail(self, error: str) -> None:
+    """Ends every busy row's request with `error`; the cache starts anew."""
+    with self._cond:
+      failed = {id(r.completion): r.completion for r in self._rows if r is not None}
+      self._rows = [None] * self.batch.slots
+    for completion in failed.values():
+      completion.error = error
+      completion.put(None)
+    self.batch.reset()
