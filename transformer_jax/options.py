@@ -21,8 +21,7 @@ DATA_SOURCES = ("synthetic", "local", "tfds")
 # The generated tasks of data/synthetic.py. The list lives here, with the other choices the
 # schema checks, so that the schema need not import the data package (which imports it).
 SYNTHETIC_TASKS = ("reverse", "sort", "add")
-# byte_bpe, hf_tokenizer: an import's (GPT-2's, Llama's ...), through init_from
-TOKENIZERS = ("sentencepiece", "words", "chars", "byte_bpe", "hf_tokenizer")
+TOKENIZERS = ("sentencepiece", "words", "chars", "byte_bpe", "hf_tokenizer")  # last 2: imports
 # How a language model reads its text files (tasks/lm.py): the split as one token stream cut
 # into windows of max_length, or its paragraphs as documents packed with segment ids.
 TEXT_LAYOUTS = ("stream", "documents")
