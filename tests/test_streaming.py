@@ -109,6 +109,49 @@ def test_a_choice_depends_neither_on_its_neighbours_nor_on_when_it_joined(model)
   assert len({c.text.sent for c in many.choices}) > len(PROMPTS)
 
 
+def test_a_choice_is_the_same_while_the_cache_grows_and_shrinks_around_it(model):
+  """The cache holds the rows and positions the busy slots need (serving/slots.py): a choice
+  beside rows that join late, high in the batch, and leave early draws what it draws alone,
+  while the cache grows in rows and positions and shrinks back."""
+  from transformer_jax.serving.slots import DecodingBatch
+  probe, settings = _ids(model, ["the queen"]), Sampling(14, 1.0, 6, 0.95, 21)
+  alone = _batcher(model.served, 8).submit(probe, 1, settings)
+  _run(_batcher(model.served, 8))
+  streams = StreamBatcher(DecodingBatch(model.served.streaming, 8, shrink_after=2),
+                          model.served.tokenizer.decode,
+                          model.served.manifest["special_ids"]["eos"], start=False)
+  watched = streams.submit(probe, 1, settings)
+  shapes = []
+  for step in range(20):
+    if step == 2:     # five more rows: the cache grows from 1 to 8 rows, then back
+      streams.submit(_ids(model, PROMPTS + ["x"]), 1, Sampling(3, 1.0, 0, 1.0, 4))
+    streams.run_once()
+    shapes.append(streams.batch.shape)
+  rows = [r for r, _ in shapes]
+  assert rows[0] == 1 and max(rows) == 8 and rows[-1] == 1 and streams.idle()
+  assert len({length for _, length in shapes}) > 1        # positions grew past a bucket
+  assert watched.choices[0].text.ids == alone.choices[0].text.ids
+  assert watched.choices[0].text.sent == alone.choices[0].text.sent
+
+
+def test_after_warm_up_no_request_waits_for_a_compilation(model):
+  """warm_up compiles every program a text within its tokens needs: prefills, steps, and the
+  cache's writes and resizes as rows join, leave and grow (serving/slots.py)."""
+  from transformer_jax.serving.metrics import CompileClock
+  from transformer_jax.serving.slots import DecodingBatch
+  streams = StreamBatcher(DecodingBatch(model.served.streaming, 8, shrink_after=2),
+                          model.served.tokenizer.decode,
+                          model.served.manifest["special_ids"]["eos"], start=False)
+  assert streams.warm_up(24) == (4 + 4) * 2       # 1, 2, 4, 8 rows; 16 and 24 positions
+  compiled, shapes = CompileClock.seconds(), set()
+  for step in range(30):
+    if step in (0, 3, 4, 12):
+      streams.submit(_ids(model, PROMPTS[:1 + step % 4]), 2, Sampling(5 + step, 1.0, 0, 1.0, step))
+    streams.run_once()
+    shapes.add(streams.batch.shape)
+  assert len(shapes) > 3 and CompileClock.seconds() == compiled
+
+
 def test_text_is_let_out_once_it_can_no_longer_change():
   """Bytes as tokens (a byte-level tokenizer): an incomplete character, and the start of a
   stop string, are held back; the text ends before the stop string."""

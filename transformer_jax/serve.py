@@ -62,7 +62,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   flags.DEFINE_float("max_wait_ms", 5.0, "How long the first line after an idle spell "
                      "waits for others.", lower_bound=0.0, **define)
   flags.DEFINE_integer("slots", 32, "A language model's completions decoded at once (the "
-                       "rows of its decoding batch, whose KV cache is allocated at start); "
+                       "most rows of its decoding batch; its KV cache holds the rows in use); "
                        "more wait for a free slot.", lower_bound=1, **define)
   flags.DEFINE_integer("warm_up_tokens", 0, "Before listening, compile a language model's "
                        "streaming programs for every batch shape of texts up to this many "

@@ -1,6 +1,6 @@
-"""A served language model's decoding batch on its device: the KV cache of `slots` rows of
-max_len positions each, kept there between calls, and the model's two streaming programs
-run against it (the continuous batcher that drives them: streaming.py).
+"""A served language model's decoding batch on its device: the KV cache of its rows, kept
+there between calls, and the model's two streaming programs run against it (the continuous
+batcher that drives them: streaming.py).
 
 A loader gives the programs as `StreamingPrograms` (serving/stablehlo.py: the artifact's
 prefill.jax_exported and step.jax_exported):
@@ -14,22 +14,35 @@ prefill.jax_exported and step.jax_exported):
       -> (the cache, next tokens (B,))
 
 The cache is a list of arrays whose shapes the manifest gives with the names "rows" and
-"length" for those two axes (a model with scanned layers has a layer axis first). Here
-`prefill` writes the new rows' caches into their slots, and `step` runs the program on the
-first B rows and W positions of the cache and writes back what it wrote (each row's entry
-at its position), inside one jitted call whose cache argument is donated, so the cache is
-updated where it lies.
+"length" for those two axes (a model with scanned layers has a layer axis first).
+
+The cache holds as many rows and positions as the busy slots need, not all `slots` rows of
+max_len positions: a step runs the step program over the whole cache, whose argument is
+donated, so that it is updated where it lies. (A step over a slice of a larger cache copies
+the slice in and the written entries out: benchmarks/RESULTS.md has both.) The cache grows
+at once when a prefill or a step needs more rows (a power of two holding the highest busy
+slot) or positions (a length bucket holding every busy row's position); it shrinks to what
+the last `shrink_after` steps needed once they all needed less, so that rows coming and
+going do not resize it at every step. A resize goes one size of rows or of length at a
+time, copying the kept rows and positions into a new cache: `warm_up` compiles every such
+step between the shapes it compiles, and each new row's write into every cache shape, so
+that no request waits for a compilation. Rows and positions past what the busy slots use
+are never read, and need no clearing.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.inputs import bucket_lengths
+
 ROWS, LENGTH = "rows", "length"     # the cache's symbolic axes, as the manifest names them
+SHRINK_AFTER = 32                   # steps that must all need a smaller cache before it shrinks
 
 
 class StreamingPrograms(NamedTuple):
@@ -49,59 +62,148 @@ def _index(shape: list[Any], rows: Any, length: Any) -> tuple[Any, ...]:
   return tuple(index)
 
 
+def power_of_two(n: int) -> int:
+  """The least power of two >= n: the row counts of the programs' calls and of the cache."""
+  return 1 << (max(n, 1) - 1).bit_length()
+
+
 class DecodingBatch:
-  """The cache of `slots` rows on the device, with `prefill` and `step` (see the module
+  """The cache of up to `slots` rows on the device, with `prefill` and `step` (see the module
   doc). Not thread-safe: one thread (the continuous batcher's) calls it."""
 
-  def __init__(self, programs: StreamingPrograms, slots: int):
-    self.programs, self.slots = programs, slots
+  def __init__(self, programs: StreamingPrograms, slots: int,
+               shrink_after: int = SHRINK_AFTER):
+    self.programs, self.slots, self.shrink_after = programs, slots, shrink_after
+    self.row_sizes = sorted({min(slots, power_of_two(n)) for n in range(1, slots + 1)})
+    self.lengths = bucket_lengths(programs.max_len)
     shapes = [spec["shape"] for spec in programs.cache]
 
-    def prefill(params: Any, cache: list[jax.Array], slots: jax.Array, prompts: jax.Array,
-                *settings: jax.Array) -> tuple[Any, ...]:
-      rows_cache, first, lengths, keys = programs.prefill(params, prompts, *settings)
-      width = slice(0, prompts.shape[1])
-      cache = [c.at[_index(shape, slots, width)].set(r)
-               for c, r, shape in zip(cache, rows_cache, shapes)]
-      return cache, first, lengths, keys
+    def prefill(params: Any, *inputs: jax.Array) -> tuple[Any, ...]:
+      rows_cache, first, lengths, keys = programs.prefill(params, *inputs)
+      each_row = [[jax.lax.index_in_dim(c, row, shape.index(ROWS)) for c, shape
+                   in zip(rows_cache, shapes)] for row in range(first.shape[0])]
+      return each_row, first, lengths, keys
 
-    def step(params: Any, cache: list[jax.Array], tokens: jax.Array, positions: jax.Array,
-             *settings: jax.Array, window: int) -> tuple[list[jax.Array], jax.Array]:
-      rows = tokens.shape[0]
-      views = [c[_index(shape, slice(0, rows), slice(0, window))]
-               for c, shape in zip(cache, shapes)]
-      views, next_tokens = programs.step(params, views, tokens, positions, *settings)
-      # Back into the cache: only what the step wrote, each row's entry at its position.
-      written = [_index(shape, jnp.arange(rows), positions) for shape in shapes]
-      return [c.at[i].set(v[i]) for c, v, i in zip(cache, views, written)], next_tokens
+    def write(cache: list[jax.Array], slot: jax.Array, row_cache: list[jax.Array]
+              ) -> list[jax.Array]:
+      starts = [[slot if d == ROWS else 0 for d in shape] for shape in shapes]
+      return [jax.lax.dynamic_update_slice(c, r, start)
+              for c, r, start in zip(cache, row_cache, starts)]
 
-    self._prefill = jax.jit(prefill, donate_argnums=1)
-    self._step = jax.jit(step, donate_argnums=1, static_argnames="window")
+    def resize(cache: list[jax.Array], rows: int, length: int) -> list[jax.Array]:
+      resized = []
+      for c, shape in zip(cache, shapes):
+        kept = c[_index(shape, slice(0, rows), slice(0, length))]
+        pads = [(0, 0)] * c.ndim
+        pads[shape.index(ROWS)] = (0, rows - kept.shape[shape.index(ROWS)])
+        pads[shape.index(LENGTH)] = (0, length - kept.shape[shape.index(LENGTH)])
+        resized.append(jnp.pad(kept, pads))
+      return resized
+
+    self._prefill = jax.jit(prefill)
+    self._write = jax.jit(write, donate_argnums=0)
+    self._resize = jax.jit(resize, static_argnums=(1, 2))   # a new shape: nothing to donate
+    self._step = jax.jit(programs.step, donate_argnums=1)
+    self._needs: collections.deque[tuple[int, int]] = collections.deque(maxlen=shrink_after)
     self.reset()
 
-  def reset(self) -> None:
-    """A new, empty cache (after a failed call, whose donated cache may be gone)."""
-    self.cache = [jnp.zeros([self.slots if d == ROWS else self.programs.max_len if d == LENGTH
-                             else d for d in spec["shape"]], spec["dtype"])
-                  for spec in self.programs.cache]
+  @property
+  def shape(self) -> tuple[int, int]:
+    """The cache's rows and positions now."""
+    return self._rows, self._length
+
+  def reset(self, rows: int = 1, length: int | None = None) -> None:
+    """A new, empty cache (also after a failed call, whose donated cache may be gone)."""
+    self._rows, self._length = rows, length or self.lengths[0]
+    self._needs.clear()
+    # Committed to the device, as every program's output is: the same compiled programs.
+    self.cache = jax.device_put(
+        [jnp.zeros([self._rows if d == ROWS else self._length if d == LENGTH else d
+                    for d in spec["shape"]], spec["dtype"]) for spec in self.programs.cache],
+        jax.devices()[0])
+
+  def _fit(self, rows: int, length: int, step: bool) -> None:
+    """Grows the cache to hold `rows` rows and `length` positions; after a step's need,
+    shrinks it once the last `shrink_after` steps all needed less."""
+    rows = min(power_of_two(rows), self.slots)
+    length = next((size for size in self.lengths if size >= length), self.lengths[-1])
+    target = (max(self._rows, rows), max(self._length, length))
+    if step:
+      self._needs.append((rows, length))
+      if len(self._needs) == self.shrink_after:
+        target = (max(r for r, _ in self._needs), max(w for _, w in self._needs))
+    while self.shape != target:     # one size at a time: rows first, then length
+      index = (self.row_sizes.index(self._rows), self.lengths.index(self._length))
+      if self._rows != target[0]:
+        rows_now = self.row_sizes[index[0] + (1 if target[0] > self._rows else -1)]
+        self._resize_to(rows_now, self._length)
+      else:
+        self._resize_to(self._rows,
+                        self.lengths[index[1] + (1 if target[1] > self._length else -1)])
+
+  def _resize_to(self, rows: int, length: int) -> None:
+    self.cache = self._resize(self.cache, rows, length)
+    self._rows, self._length = rows, length
+    self._needs.clear()
 
   def prefill(self, slots: np.ndarray, prompts: np.ndarray, max_new_tokens: np.ndarray,
               seeds: np.ndarray, choices: np.ndarray, temperature: np.ndarray,
               top_k: np.ndarray, top_p: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Starts the rows of `prompts` in `slots`: their first tokens, lengths (the position
-    of the first token) and keys."""
-    self.cache, first, lengths, keys = self._prefill(
-        self.programs.params, self.cache, slots.astype(np.int32), prompts.astype(np.int32),
-        max_new_tokens.astype(np.int32), seeds.astype(np.uint32), choices.astype(np.int32),
-        temperature.astype(np.float32), top_k.astype(np.int32), top_p.astype(np.float32))
+    """Starts the rows of `prompts` in `slots` (a slot given twice holds its first row):
+    their first tokens, lengths (the position of the first token) and keys."""
+    each_row, first, lengths, keys = self._prefill(
+        self.programs.params, prompts.astype(np.int32), max_new_tokens.astype(np.int32),
+        seeds.astype(np.uint32), choices.astype(np.int32), temperature.astype(np.float32),
+        top_k.astype(np.int32), top_p.astype(np.float32))
+    self._fit(int(slots.max()) + 1, prompts.shape[1], step=False)
+    first_row = {int(slot): row for row, slot in reversed(list(enumerate(slots)))}
+    for slot, row in first_row.items():
+      self.cache = self._write(self.cache, np.int32(slot), each_row[row])
     return np.asarray(first), np.asarray(lengths), np.asarray(keys)
 
   def step(self, window: int, tokens: np.ndarray, positions: np.ndarray, keys: np.ndarray,
            temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.ndarray:
-    """One step of the first len(tokens) rows, each fed its token at its position (all
-    below `window`): the tokens they draw next."""
-    self.cache, next_tokens = self._step(
-        self.programs.params, self.cache, tokens.astype(np.int32), positions.astype(np.int32),
-        keys.astype(np.uint32), temperature.astype(np.float32), top_k.astype(np.int32),
-        top_p.astype(np.float32), window=window)
-    return np.asarray(next_tokens)
+    """One step of the first len(tokens) rows (every busy slot among them), each fed its
+    token at its position (all below `window`): the tokens they draw next. Rows of the
+    cache past them step idle (greedy, at position 0) and their tokens are dropped."""
+    self._fit(len(tokens), window, step=True)
+    inputs = [tokens.astype(np.int32), positions.astype(np.int32), keys.astype(np.uint32),
+              temperature.astype(np.float32), top_k.astype(np.int32), top_p.astype(np.float32)]
+    idle = self._rows - len(tokens)
+    if idle:   # greedy rows at position 0 (top_p 1: the whole distribution)
+      inputs = [np.concatenate([x, np.full((idle, *x.shape[1:]), i == 5, x.dtype)])
+                for i, x in enumerate(inputs)]
+    self.cache, next_tokens = self._step(self.programs.params, self.cache, *inputs)
+    return np.asarray(next_tokens)[:len(tokens)]
+
+  def warm_up(self, widths: list[int]) -> int:
+    """Compiles the model's programs for the shapes texts of up to widths[-1] tokens use:
+    the prefill for each count of rows that may join at once and each prompt width in
+    `widths`, the step for each cache shape of those widths; and the cache's own small
+    programs: a new row's write into each cache shape, each resize between them. Returns
+    how many shapes of the model's programs. Leaves an empty cache."""
+    joining = sorted({power_of_two(n) for n in range(1, self.slots + 1)})
+    new_rows = {}
+    for rows in joining:
+      zeros = np.zeros(rows, np.int32)
+      for width in widths:
+        each_row, *_ = self._prefill(
+            self.programs.params, np.zeros((rows, width), np.int32), zeros + 1,
+            zeros.astype(np.uint32), zeros, zeros.astype(np.float32), zeros,
+            zeros + np.float32(1))
+        new_rows[width] = each_row[0]
+    shapes = [(rows, length) for rows in self.row_sizes for length in widths]
+    for rows, length in shapes:
+      zeros = np.zeros(rows, np.int32)
+      for width in widths[:widths.index(length) + 1]:
+        self.reset(rows, length)
+        self.cache = self._write(self.cache, np.int32(0), new_rows[width])
+      self.step(length, zeros, zeros, np.zeros((rows, 2), np.uint32), zeros.astype(np.float32),
+                zeros, zeros + np.float32(1))
+      for other in shapes:
+        if abs(self.row_sizes.index(other[0]) - self.row_sizes.index(rows)) + \
+           abs(widths.index(other[1]) - widths.index(length)) == 1:
+          self.reset(rows, length)
+          self._resize_to(*other)
+    self.reset()
+    return (len(joining) + len(self.row_sizes)) * len(widths)

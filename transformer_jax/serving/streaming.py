@@ -14,9 +14,10 @@ choice at the next step. Each row's cache is written at its own positions
 joined (tests/test_streaming.py), and equals what predict writes at the same settings.
 
 A step runs the first rows of the batch, a power of two that holds every busy slot, over
-the first positions of the cache, a length bucket that holds every busy row's position: one
-row early in its text costs one row over a short window, not the whole batch over max_len.
-Prefill rows are padded to a power of two by repeating the last, as lines.py pads rows.
+the first positions of the cache, a length bucket that holds every busy row's position
+(slots.py keeps the cache at that shape): one row early in its text costs one row over a
+short window, not the whole batch over max_len. Prefill rows are padded to a power of two
+by repeating the last, as lines.py pads rows.
 """
 
 from __future__ import annotations
@@ -33,14 +34,9 @@ import numpy as np
 from transformer_jax.data.tokenizer import prompt_tail
 from transformer_jax.inputs import bucket_for, bucket_lengths
 from transformer_jax.serving.metrics import CompileClock, ServerMetrics
-from transformer_jax.serving.slots import DecodingBatch
+from transformer_jax.serving.slots import DecodingBatch, power_of_two
 
 Decode = Callable[[list[int]], str]    # token ids -> text (the served model's tokenizer)
-
-
-def _power_of_two(n: int) -> int:
-  """The least power of two >= n: the row counts of the programs' calls."""
-  return 1 << (n - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,24 +188,11 @@ class StreamBatcher:
 
   def warm_up(self, tokens: int) -> int:
     """Compiles the programs for every batch shape that texts of up to `tokens` tokens
-    (prompt and completion) use, so that no request waits for a compilation (each new shape
-    otherwise compiles on first use); returns how many shapes. Before any request."""
+    (prompt and completion) use, so that no request waits for a model's compilation (each
+    new shape otherwise compiles on first use); returns how many shapes. Before any
+    request."""
     last = bucket_for(min(tokens, self.max_len), self.buckets)
-    widths = [width for width in self.buckets if width <= last]
-    slots = self.batch.slots
-    prefills = {_power_of_two(n) for n in range(1, slots + 1)}          # rows joining at once
-    steps = {min(slots, _power_of_two(slot + 1)) for slot in range(slots)}   # see _step
-    for rows in sorted(prefills):
-      zeros = np.zeros(rows, np.int32)
-      for width in widths:
-        self.batch.prefill(zeros, np.zeros((rows, width), np.int32), zeros + 1, zeros, zeros,
-                           *self._settings([_IDLE] * rows))
-    for rows in sorted(steps):
-      zeros = np.zeros(rows, np.int32)
-      for width in widths:
-        self.batch.step(width, zeros, zeros, np.zeros((rows, 2), np.uint32),
-                        *self._settings([_IDLE] * rows))
-    return (len(prefills) + len(steps)) * len(widths)
+    return self.batch.warm_up([width for width in self.buckets if width <= last])
 
   def idle(self) -> bool:
     with self._cond:
@@ -249,7 +232,7 @@ class StreamBatcher:
       self._prefill(group, width)
 
   def _prefill(self, group: list[Choice], width: int) -> None:
-    rows = [*group, *[group[-1]] * (_power_of_two(len(group)) - len(group))]
+    rows = [*group, *[group[-1]] * (power_of_two(len(group)) - len(group))]
     prompts = np.zeros((len(rows), width), np.int32)
     for row, choice in enumerate(rows):
       prompts[row, :len(choice.prompt)] = choice.prompt
@@ -279,7 +262,7 @@ class StreamBatcher:
     self.metrics.slots_busy.set(len(busy))
     if not busy:
       return
-    count = min(self.batch.slots, _power_of_two(busy[-1][0] + 1))   # rows 0..count-1
+    count = min(self.batch.slots, power_of_two(busy[-1][0] + 1))   # rows 0..count-1
     tokens, positions = np.zeros(count, np.int32), np.zeros(count, np.int32)
     keys = np.zeros((count, 2), np.uint32)
     sampling = [_IDLE] * count
