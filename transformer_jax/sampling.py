@@ -49,26 +49,53 @@ def _per_row(value: Any, rows: int) -> Array:
   return jnp.broadcast_to(jnp.asarray(value), (rows,))[:, None]
 
 
-def filtered_logits(logits: Array, temperature: Any, top_k: Any, top_p: Any) -> Array:
+CANDIDATES = 256   # the likeliest tokens a top-k or top-p cut is looked for among first
+
+
+def filtered_logits(logits: Array, temperature: Any, top_k: Any, top_p: Any,
+                    candidates: int = CANDIDATES) -> Array:
   """(B, V) float32 logits (the absent ids already -inf) / temperature, with every token
   outside the `top_k` most likely (0: no cut) and outside the smallest set whose probability
-  reaches `top_p` set to -inf. Each setting is one value or one per row (B,).
-  The cuts are thresholds on the sorted logits, so k and p are values, not shapes: one
-  compiled program serves every setting. The vocabulary is sorted only where a row asks for
-  a cut: on a CPU, sorting GPT-2's 50,257 tokens takes several times a draw's other work."""
+  reaches `top_p` (1: no cut) set to -inf. Each setting is one value or one per row (B,).
+  The cuts are thresholds on the logits in descending order, so k and p are values, not
+  shapes: one compiled program serves every setting. The order is taken only where a row
+  asks for a cut, and of the `candidates` likeliest tokens only (`lax.top_k`) where every
+  row's cut lies among them; else of the whole vocabulary: on a CPU, sorting GPT-2's
+  50,257 tokens for 16 rows takes 142 ms, the top 256 2.6 ms. A row's cut is the same
+  either way."""
   rows, vocab = logits.shape
   temperature, top_k, top_p = (_per_row(x, rows) for x in (temperature, top_k, top_p))
   logits = logits / temperature
+  candidates = min(candidates, vocab)
 
-  def cut(logits: Array) -> Array:
-    ordered = jnp.sort(logits, axis=-1)[:, ::-1]                                # descending
-    kth = jnp.take_along_axis(ordered, jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-                              - 1, axis=-1)
-    probabilities = jax.nn.softmax(ordered, axis=-1)
+  def threshold(ordered: Array, total: Array) -> Array:
+    """The least logit kept, from the likeliest logits in descending order (B, C) and the
+    log of the whole vocabulary's exp-sum (B, 1)."""
+    at_k = jnp.clip(top_k, 1, ordered.shape[1]) - 1
+    kth = jnp.where(top_k > 0, jnp.take_along_axis(ordered, at_k, axis=-1), -jnp.inf)
+    probabilities = jnp.exp(ordered - total)
     # A token is kept while the probability of the tokens before it is below top_p.
     before = jnp.cumsum(probabilities, axis=-1) - probabilities
-    nucleus = jnp.where(before < top_p, ordered, jnp.inf).min(-1, keepdims=True)  # least kept
-    return jnp.where(logits >= jnp.maximum(kth, nucleus), logits, -jnp.inf)
+    nucleus = jnp.where(before < top_p, ordered, jnp.inf).min(-1, keepdims=True)
+    return jnp.maximum(kth, jnp.where(top_p < 1, nucleus, -jnp.inf))
+
+  def cut(logits: Array) -> Array:
+    total = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    likeliest = jax.lax.top_k(logits, candidates)[0]
+    mass = jnp.exp(likeliest - total).sum(-1, keepdims=True)
+    # The cut is among the candidates: a k within them (the nucleus cannot cut above it),
+    # a nucleus their probability reaches (k cannot cut above it either), or no cut.
+    within = (((top_k > 0) & (top_k <= candidates)) | ((top_p < 1) & (mass >= top_p))
+              | ((top_k == 0) & (top_p >= 1)))
+
+    def from_all() -> Array:
+      ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+      # A row whose cut lies among its candidates takes it from them here too, so that its
+      # cut is the same bits whichever rows are beside it.
+      return jnp.where(within, threshold(ordered[:, :candidates], total),
+                       threshold(ordered, total))
+    least = jax.lax.cond(jnp.all(within), lambda: threshold(likeliest, total), from_all)
+    return jnp.where(logits >= least, logits, -jnp.inf)
   return jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), cut, lambda x: x, logits)
 
 
