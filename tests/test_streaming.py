@@ -127,6 +127,9 @@ def test_a_choice_is_the_same_while_the_cache_grows_and_shrinks_around_it(model)
       streams.submit(_ids(model, PROMPTS + ["x"]), 1, Sampling(3, 1.0, 0, 1.0, 4))
     streams.run_once()
     shapes.append(streams.batch.shape)
+    gauges = [streams.metrics.registry.get_sample_value(f"transformer_jax_cache_{name}")
+              for name in ("rows", "positions")]
+    assert tuple(gauges) == streams.batch.shape            # what /metrics shows
   rows = [r for r, _ in shapes]
   assert rows[0] == 1 and max(rows) == 8 and rows[-1] == 1 and streams.idle()
   assert len({length for _, length in shapes}) > 1        # positions grew past a bucket

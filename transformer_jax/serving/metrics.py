@@ -21,6 +21,8 @@ and for a language model's completions (streaming.py):
   transformer_jax_between_tokens_seconds        from one token of a choice to its next
   transformer_jax_completion_tokens_total       tokens drawn
   transformer_jax_slots_busy                    rows of the decoding batch in use now
+  transformer_jax_cache_rows, _cache_positions  the KV cache's shape now (slots.py: it holds
+                                                the rows and positions in use)
 
 Each server has its own registry, so tests can run several in one process.
 """
@@ -90,6 +92,9 @@ class ServerMetrics:
                                          "choice to its next.", buckets=_LATENCY_BUCKETS, **r)
     self.completion_tokens = prom.Counter(prefix + "completion_tokens", "Tokens drawn.", **r)
     self.slots_busy = prom.Gauge(prefix + "slots_busy", "Decoding rows in use.", **r)
+    self.cache_rows = prom.Gauge(prefix + "cache_rows", "Rows the KV cache holds.", **r)
+    self.cache_positions = prom.Gauge(prefix + "cache_positions", "Positions the KV cache "
+                                      "holds.", **r)
 
   def answered(self, status: int, seconds: float | None = None) -> None:
     self.requests.labels(code=str(status)).inc()

@@ -271,6 +271,9 @@ class StreamBatcher:
       sampling[slot] = row.completion.sampling
     window = bucket_for(int(positions.max()) + 1, self.buckets)
     drawn = self.batch.step(window, tokens, positions, keys, *self._settings(sampling))
+    rows, length = self.batch.shape
+    self.metrics.cache_rows.set(rows)
+    self.metrics.cache_positions.set(length)
     now = time.monotonic()
     for slot, row in busy:
       row.position += 1
