@@ -72,6 +72,12 @@ def bucket_lengths(max_length: int, smallest: int = 16) -> list[int]:
   return out + [max_length]
 
 
+def power_of_two(n: int) -> int:
+  """The least power of two >= n: the row counts of predict's and the server's batches
+  (each compiles once)."""
+  return 1 << (max(n, 1) - 1).bit_length()
+
+
 def bucket_for(length: int, buckets: Sequence[int]) -> int:
   """The smallest of `buckets` (ascending, from bucket_lengths) that holds `length`
   tokens; the largest for a longer one (which the caller truncates or refuses)."""

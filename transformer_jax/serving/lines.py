@@ -34,7 +34,13 @@ from transformer_jax.data.tokenizer import (
 )
 from transformer_jax.data.vocab import strip_special
 from transformer_jax.errors import UserError
-from transformer_jax.inputs import InputError, bucket_for, bucket_lengths, character_ids
+from transformer_jax.inputs import (
+  InputError,
+  bucket_for,
+  bucket_lengths,
+  character_ids,
+  power_of_two,
+)
 from transformer_jax.serving.artifact import ArtifactError
 from transformer_jax.serving.line_policy import (
   LinePolicy,
@@ -232,7 +238,7 @@ class Served:
            length: int) -> tuple[np.ndarray, np.ndarray | None]:
     """The model's inputs for `lines`: padded to `length` tokens, and to a power of two
     rows (at most max_rows) by repeating the last line."""
-    rows = min(1 << (len(lines) - 1).bit_length(), self.max_rows)
+    rows = min(power_of_two(len(lines)), self.max_rows)
     tokens = np.full((rows, length), PAD_ID, np.int32)
     chars = np.zeros((rows, length, self.word_bytes), np.int32) if self.word_bytes else None
     for row, line in enumerate(lines):

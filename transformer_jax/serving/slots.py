@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.inputs import bucket_lengths
+from transformer_jax.inputs import bucket_for, bucket_lengths, power_of_two
 
 ROWS, LENGTH = "rows", "length"     # the cache's symbolic axes, as the manifest names them
 SHRINK_AFTER = 32                   # steps that must all need a smaller cache before it shrinks
@@ -60,11 +60,6 @@ def _index(shape: list[Any], rows: Any, length: Any) -> tuple[Any, ...]:
   index: list[Any] = [slice(None)] * len(shape)
   index[shape.index(ROWS)], index[shape.index(LENGTH)] = rows, length
   return tuple(index)
-
-
-def power_of_two(n: int) -> int:
-  """The least power of two >= n: the row counts of the programs' calls and of the cache."""
-  return 1 << (max(n, 1) - 1).bit_length()
 
 
 class DecodingBatch:
@@ -126,7 +121,7 @@ class DecodingBatch:
     """Grows the cache to hold `rows` rows and `length` positions; after a step's need,
     shrinks it once the last `shrink_after` steps all needed less."""
     rows = min(power_of_two(rows), self.slots)
-    length = next((size for size in self.lengths if size >= length), self.lengths[-1])
+    length = bucket_for(length, self.lengths)
     target = (max(self._rows, rows), max(self._length, length))
     if step:
       self._needs.append((rows, length))

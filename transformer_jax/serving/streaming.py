@@ -32,9 +32,9 @@ from typing import Callable, Deque, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from transformer_jax.data.tokenizer import prompt_tail
-from transformer_jax.inputs import bucket_for, bucket_lengths
+from transformer_jax.inputs import bucket_for, power_of_two
 from transformer_jax.serving.metrics import CompileClock, ServerMetrics
-from transformer_jax.serving.slots import DecodingBatch, power_of_two
+from transformer_jax.serving.slots import DecodingBatch
 
 Decode = Callable[[list[int]], str]    # token ids -> text (the served model's tokenizer)
 
@@ -167,7 +167,7 @@ class StreamBatcher:
                metrics: ServerMetrics | None = None, start: bool = True):
     self.batch, self.decode, self.eos = batch, decode, eos
     self.max_len = batch.programs.max_len
-    self.buckets = bucket_lengths(self.max_len)
+    self.buckets = batch.lengths        # prompt widths and windows: the cache's lengths
     self.metrics = metrics or ServerMetrics()
     self._rows: list[Choice | None] = [None] * batch.slots
     self._waiting: Deque[Choice] = collections.deque()
