@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.modules.attention import AttentionMask, attend
+from transformer_jax.modules.attention import attend
+from transformer_jax.modules.masks import AttentionMask
 
 Path = Callable[[jax.Array, jax.Array, jax.Array, AttentionMask], jax.Array]
 

@@ -24,12 +24,9 @@ from transformer_jax.modules.attention import (
   MultiHeadAttention,
   attend,
   attention_weights,
-  causal_mask,
-  combine_masks,
   dot_product_attention,
-  padding_mask,
-  segment_mask,
 )
+from transformer_jax.modules.masks import causal_mask, combine_masks, padding_mask, segment_mask
 
 B, T, S, N, H = 2, 5, 7, 2, 4
 

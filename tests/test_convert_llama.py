@@ -10,6 +10,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
 import jax  # noqa: E402
+from cli_helpers import ROOT, finish, start  # noqa: E402
 from gpt2_fixture import SHAKESPEARE, hf_greedy, hf_logits, lines  # noqa: E402
 from llama_fixture import VARIANTS, write_llama_dir  # noqa: E402
 
@@ -206,19 +209,25 @@ def test_fine_tuning_the_import_then_export(llama, tmp_path):
   assert _logit_difference(tuned_model, llama["model"], PROMPTS)[0] > 1e-3   # it trained
 
 
+def _served_lines(m: dict) -> tuple[list[str], list[str]]:
+  """(the prompts as lines of POST /v1/predict, the tokenizer's decoding of generate's
+  continuation of each: what predict and a served artifact of the import write)."""
+  from transformer_jax.serving.line_policy import escape_line
+  count = m["cfg"].max_len // 2                         # the import's max_new_tokens
+  tokenizer = m["hf_tokenizer"]
+  expected = [escape_line(tokenizer.decode(hf_greedy(m["model"], tokenizer, p, count),
+                                           skip_special_tokens=True)) for p in PROMPTS]
+  return [escape_line(p) for p in PROMPTS], expected
+
+
 @pytest.mark.parametrize("llama", ["tied"], indirect=True)
 def test_predict_and_the_served_artifact_continue_as_generate(llama, tmp_path):
   """predict on the import and its StableHLO artifact (POST /v1/predict's encoding) write
   the tokenizer's decoding of generate's continuation of each prompt."""
   from transformer_jax import predict
   from transformer_jax.export import export_stablehlo
-  from transformer_jax.serving.line_policy import escape_line
   from transformer_jax.serving.lines import Served
-  count = llama["cfg"].max_len // 2                     # the import's max_new_tokens
-  tokenizer = llama["hf_tokenizer"]
-  expected = [escape_line(tokenizer.decode(hf_greedy(llama["model"], tokenizer, p, count),
-                                           skip_special_tokens=True)) for p in PROMPTS]
-  prompts = [escape_line(p) for p in PROMPTS]
+  prompts, expected = _served_lines(llama)
   out = io.StringIO()
   predict.predict(llama["workdir"], io.BytesIO("".join(p + "\n" for p in prompts).encode()),
                   out, None, None, 8)
@@ -228,21 +237,56 @@ def test_predict_and_the_served_artifact_continue_as_generate(llama, tmp_path):
   assert served.predict(prompts) == expected
 
 
+@pytest.mark.parametrize("llama", ["tied"], indirect=True)
+def test_the_export_command_serves_the_import(llama, tmp_path):
+  """`python -m transformer_jax.export --format=stablehlo` on the import's workdir (a
+  parameter snapshot, no checkpoints) writes an artifact that continues each prompt as
+  generate does."""
+  from transformer_jax.serving.lines import Served
+  output = str(tmp_path / "served")
+  status, out = finish(start("-m", "transformer_jax.export", f"--workdir={llama['workdir']}",
+                             "--format=stablehlo", f"--output={output}"))
+  assert status == 0, out
+  assert f"to {output}" in out
+  prompts, expected = _served_lines(llama)
+  assert Served.load(output).predict(prompts) == expected
+
+
+@pytest.mark.parametrize("llama", ["tied"], indirect=True)
+def test_the_export_command_needs_checkpoints_only_for_orbax_or_a_selection(llama, tmp_path):
+  """An orbax export, or a --step/--average selection, of the import's workdir ends with
+  status 2 and one line naming its snapshot and --format=stablehlo; nothing is written."""
+  before = sorted(os.listdir(llama["workdir"])), sorted(os.listdir(os.path.join(
+      llama["workdir"], "exports")))
+  for flags in ([], ["--format=stablehlo", "--average=2"]):
+    run = subprocess.run([sys.executable, "-m", "transformer_jax.export",
+                          f"--workdir={llama['workdir']}", f"--output={tmp_path / 'out'}",
+                          *flags], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    lines_ = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines_) == 1, run.stderr
+    assert lines_[0].startswith("error: ") and "no training checkpoints" in lines_[0]
+    assert "--format=stablehlo" in lines_[0] and "hf_llama" in lines_[0], lines_[0]
+  assert (sorted(os.listdir(llama["workdir"])), sorted(os.listdir(os.path.join(
+      llama["workdir"], "exports")))) == before
+  assert not os.path.exists(tmp_path / "out")
+
+
 @pytest.mark.parametrize("llama", ["untied"], indirect=True)
 @pytest.mark.parametrize("change, message", [
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-     "rope_scaling rope_type='linear' is an option this project lacks"),
-    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
-     "rope_parameters rope_type='llama3'"),
-    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_scaling rope_type='yarn' is an option this project lacks"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+     "rope_parameters rope_type='dynamic'"),
+    ({"sliding_window": 4096}, "sliding_window=4096"),
     ({"attention_bias": True}, "attention_bias=True is an option this project lacks"),
     ({"mlp_bias": True}, "mlp_bias=True"),
-    ({"head_dim": 16}, "head_dim=16 is an option this project lacks"),
-    ({"eos_token_id": [2, 7]}, "eos_token_id=[2, 7] is not the tokenizer's"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is an option this project"),
+    ({"eos_token_id": [7, 8]}, "eos_token_id=[7, 8] does not hold the tokenizer's"),
     ({"vocab_size": 500}, "vocab_size=500, but the tokenizer has"),
     ({"model_type": "qwen2"}, "model_type='qwen2'"),
-], ids=["rope_scaling", "llama3_rope", "sliding_window", "attention_bias", "mlp_bias",
-        "head_dim", "eos_list", "vocab_size", "model_type"])
+], ids=["yarn_rope", "dynamic_rope", "sliding_window", "attention_bias", "mlp_bias",
+        "partial_rotary", "eos_list", "vocab_size", "model_type"])
 def test_what_cannot_be_expressed_is_one_line_naming_it(llama, tmp_path, change, message):
   broken = str(tmp_path / "broken")
   shutil.copytree(llama["directory"], broken)
@@ -260,9 +304,12 @@ def test_export_refuses_what_llama_cannot_express(llama):
   cfg, tokenizer = llama["cfg"], llama["tokenizer"]
   from transformer_jax.convert import llama as llama_format
   from transformer_jax.data.tokenizer import CharVocab
+  incompatibility = llama_format.FAMILY.incompatibility
   for change, message in (({"positional": "learned"}, "model.positional='learned'"),
                           ({"use_bias": True}, "model.use_bias=True"),
-                          ({"norm_type": "layer"}, "model.norm_type='layer'")):
-    assert message in llama_format.incompatibility(cfg.replace(**change), tokenizer)
-  assert "tokenizer kind 'chars'" in llama_format.incompatibility(cfg, CharVocab(["a"]))
-  assert llama_format.incompatibility(cfg, tokenizer) is None
+                          ({"norm_type": "layer"}, "model.norm_type='layer'"),
+                          ({"sliding_window": 8}, "model.sliding_window=8"),
+                          ({"qk_norm": True}, "model.qk_norm=True")):
+    assert message in incompatibility(cfg.replace(**change), tokenizer)
+  assert "tokenizer kind 'chars'" in incompatibility(cfg, CharVocab(["a"]))
+  assert incompatibility(cfg, tokenizer) is None

@@ -49,7 +49,7 @@ def _batcher(served, slots: int) -> StreamBatcher:
   """One batcher (and its compiled programs) per slot count, reused while idle."""
   from transformer_jax.serving.slots import DecodingBatch
   return StreamBatcher(DecodingBatch(served.streaming, slots), served.tokenizer.decode,
-                       served.manifest["special_ids"]["eos"], start=False)
+                       served.end_ids, start=False)
 
 
 def _run(streams: StreamBatcher, steps: int | None = None) -> None:
@@ -119,7 +119,7 @@ def test_a_choice_is_the_same_while_the_cache_grows_and_shrinks_around_it(model)
   _run(_batcher(model.served, 8))
   streams = StreamBatcher(DecodingBatch(model.served.streaming, 8, shrink_after=2),
                           model.served.tokenizer.decode,
-                          model.served.manifest["special_ids"]["eos"], start=False)
+                          model.served.end_ids, start=False)
   watched = streams.submit(probe, 1, settings)
   shapes = []
   for step in range(20):
@@ -144,7 +144,7 @@ def test_after_warm_up_no_request_waits_for_a_compilation(model):
   from transformer_jax.serving.slots import DecodingBatch
   streams = StreamBatcher(DecodingBatch(model.served.streaming, 8, shrink_after=2),
                           model.served.tokenizer.decode,
-                          model.served.manifest["special_ids"]["eos"], start=False)
+                          model.served.end_ids, start=False)
   assert streams.warm_up(24) == (4 + 4) * 2       # 1, 2, 4, 8 rows; 16 and 24 positions
   compiled, shapes = CompileClock.seconds(), set()
   for step in range(30):

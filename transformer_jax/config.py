@@ -29,7 +29,8 @@ KERNELS = ("pallas", "cudnn", "cudnn_dense", "splash")
 _CHOICES = {
     "norm_position": ("post", "pre"),
     "positional": ("sinusoidal", "learned", "rotary"),
-    "norm_type": ("layer", "rms"),
+    "norm_type": ("layer", "rms", "rms_plus_one"),
+    "rope_scaling": ("none", "linear", "llama3"),
     "activation": ("relu", "gelu", "swish", "silu"),
     "sinusoidal_layout": ("interleaved", "halves"),
     "attention_impl": ("einsum", "xla", *KERNELS, "auto"),
@@ -113,6 +114,32 @@ class TransformerConfig:
       d_k) kernel named "qkv" (convert with `params.fuse_qkv` / `split_qkv`).
     weight_init: "xavier" (the paper's model as Flax's WMT example and fairseq start it) or
       "gpt2" (GPT-2's and nanoGPT's); `modules/init.py` says what each draws.
+
+  The options of today's open language models (convert/: Llama 3, Mistral, Qwen2/3,
+  Gemma 3), each usable when training from scratch too:
+    head_size: the attention's head dimension (0: d_model / num_heads; Qwen3 and Gemma 3
+      give one of their own, so num_heads * head_size may differ from d_model).
+    qkv_bias: biases on the query, key and value projections even without use_bias
+      (Qwen2).
+    qk_norm: each head's query and key normalised over the head dimension (the config's
+      norm_type) before the rotary positions (Qwen3, Gemma 3; QK-norm).
+    attention_scale: what the scores Q K^T are multiplied by (0: 1/sqrt(head dimension);
+      Gemma 3: query_pre_attn_scalar^-0.5).
+    sandwich_norm: pre-LN with a second norm on each sublayer's output before the residual
+      sum, four norms a layer (Gemma 2 and 3).
+    norm_type "rms_plus_one": RMSNorm scaled by 1 + w, w starting at 0 (Gemma).
+    rope_scaling: the rotary frequencies "none" (theta^(-2i/H)), "linear" (all divided by
+      rope_scaling_factor) or "llama3" (Llama 3.1's: the low frequencies divided, the high
+      ones kept, blended between, by rope_low_freq_factor, rope_high_freq_factor and
+      rope_original_max_len); `embedding.rotary_frequencies` computes them.
+    sliding_window: a sliding layer's query sees only the keys fewer than this many
+      positions back, itself included (0: none; Mistral v0.1, Gemma 3).
+    layer_types: per layer, "sliding" or "full" (); empty: every layer sliding where
+      sliding_window > 0. Scanned layers (scan_layers) must all be alike.
+    local_rope_theta: the rotary base of sliding layers, unscaled (0: as the full layers;
+      Gemma 3's 10,000 beside its full layers' 1,000,000).
+    end_ids: token ids that end a text besides EOS (an import's other eos_token_ids:
+      Llama 3's <|eot_id|>, Qwen's <|im_end|>); generation stops at any of them.
   """
 
   vocab_size: int
@@ -151,6 +178,20 @@ class TransformerConfig:
   fused_qkv: bool = False
   weight_init: str = "xavier"
   max_segments: int = 0
+  head_size: int = 0
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  attention_scale: float = 0.0
+  sandwich_norm: bool = False
+  rope_scaling: str = "none"
+  rope_scaling_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 0
+  sliding_window: int = 0
+  layer_types: tuple[str, ...] = ()
+  local_rope_theta: float = 0.0
+  end_ids: tuple[int, ...] = ()
 
   # ----------------------------------------------------------------------------- presets
   @classmethod
@@ -198,7 +239,13 @@ class TransformerConfig:
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.num_heads
+    return self.head_size or self.d_model // self.num_heads
+
+  def layer_sliding(self, index: int) -> bool:
+    """Whether layer `index` (of either stack) sees a sliding window of keys."""
+    if self.layer_types:
+      return self.layer_types[index] == "sliding"
+    return self.sliding_window > 0
 
   @property
   def no_token_ids(self) -> tuple[int, ...]:
@@ -222,7 +269,8 @@ class TransformerConfig:
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         fail(field, "must be a positive integer")
-    for field in ("num_encoder_layers", "num_decoder_layers", "max_segments"):
+    for field in ("num_encoder_layers", "num_decoder_layers", "max_segments", "head_size",
+                  "sliding_window", "rope_original_max_len"):
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         fail(field, "must be a non-negative integer")
@@ -230,8 +278,8 @@ class TransformerConfig:
         not isinstance(self.target_vocab_size, int) or isinstance(self.target_vocab_size, bool)
         or self.target_vocab_size <= 0):
       fail("target_vocab_size", "must be a positive integer or None (shared vocabulary)")
-    if self.d_model % self.num_heads:
-      fail("d_model", f"must be divisible by num_heads={self.num_heads}")
+    if self.d_model % self.num_heads and not self.head_size:
+      fail("d_model", f"must be divisible by num_heads={self.num_heads} (or give head_size)")
     for field in ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate"):
       value = getattr(self, field)
       if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
@@ -239,11 +287,13 @@ class TransformerConfig:
     if not isinstance(self.layer_norm_epsilon, (int, float)) or self.layer_norm_epsilon <= 0:
       fail("layer_norm_epsilon", "must be a positive number")
     for field in ("scan_layers", "fused_qkv", "final_logits_bias", "zero_decoder_start",
-                  "gated_ffn", "use_bias", "scale_embeddings", "bos_is_eos"):
+                  "gated_ffn", "use_bias", "scale_embeddings", "bos_is_eos", "qkv_bias",
+                  "qk_norm", "sandwich_norm"):
       if not isinstance(getattr(self, field), bool):
         fail(field, "must be True or False")
-    if isinstance(self.absent_ids, list):   # as JSON gives it back
-      object.__setattr__(self, "absent_ids", tuple(self.absent_ids))
+    for field in ("absent_ids", "layer_types", "end_ids"):
+      if isinstance(getattr(self, field), list):   # as JSON gives it back
+        object.__setattr__(self, field, tuple(getattr(self, field)))
     if (not isinstance(self.absent_ids, tuple)
         or not set(self.absent_ids) <= {PAD_ID, BOS_ID, UNK_ID}):
       fail("absent_ids", f"must be a tuple of PAD {PAD_ID}, BOS {BOS_ID} and UNK {UNK_ID}")
@@ -260,9 +310,10 @@ class TransformerConfig:
              "False for grouped-query attention (num_kv_heads < num_heads)")
     if self.positional == "rotary" and self.head_dim % 2:
       fail("positional", f"rotary positions rotate pairs of dimensions: the head dimension "
-           f"d_model / num_heads = {self.head_dim} must be even")
+           f"{self.head_dim} (head_size, or d_model / num_heads) must be even")
     if not isinstance(self.rope_theta, (int, float)) or not self.rope_theta > 0:
       fail("rope_theta", "must be a positive number")
+    self._check_modern_options(fail)
     if self.attention_impl in KERNELS and self.attention_dropout_rate > 0:
       fail("attention_dropout_rate", f"the {self.attention_impl} kernel has no attention "
            "dropout; set it to 0, or attention_impl to 'einsum'")   # "auto": experiment.py
@@ -272,3 +323,36 @@ class TransformerConfig:
     if self.share_embeddings and self.tgt_vocab_size != self.vocab_size:
       fail("share_embeddings", f"needs equal vocabularies, got vocab_size={self.vocab_size} "
            f"and target_vocab_size={self.target_vocab_size}; set share_embeddings=False")
+
+  def _check_modern_options(self, fail: Any) -> None:
+    """The options of today's open language models (see the class doc)."""
+    for field in ("attention_scale", "local_rope_theta"):
+      value = getattr(self, field)
+      if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        fail(field, "must be a number >= 0 (0: the default)")
+    if self.rope_scaling != "none":
+      if not isinstance(self.rope_scaling_factor, (int, float)) or self.rope_scaling_factor < 1:
+        fail("rope_scaling_factor", "must be a number >= 1")
+    if self.rope_scaling == "llama3":
+      if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+        fail("rope_low_freq_factor", "must be > 0 and below rope_high_freq_factor="
+             f"{self.rope_high_freq_factor}")
+      if not self.rope_original_max_len:
+        fail("rope_original_max_len", "rope_scaling='llama3' needs the context the model "
+             "was trained at (a positive integer)")
+    layers = max(self.num_encoder_layers, self.num_decoder_layers)
+    if self.layer_types:
+      if (any(kind not in ("sliding", "full") for kind in self.layer_types)
+          or len(self.layer_types) != layers
+          or (self.num_encoder_layers and self.num_decoder_layers)):
+        fail("layer_types", f"must name 'sliding' or 'full' for each of the {layers} layers "
+             "of a one-stack model (or be empty)")
+      if "sliding" in self.layer_types and not self.sliding_window:
+        fail("layer_types", "names sliding layers; give their sliding_window too")
+      if self.scan_layers and len(set(self.layer_types)) > 1:
+        fail("scan_layers", "scanned layers must be alike; layer_types mixes sliding and "
+             "full layers: set scan_layers=False")
+    if not isinstance(self.end_ids, tuple) or any(
+        not isinstance(i, int) or isinstance(i, bool) or not 0 < i < self.tgt_vocab_size
+        or i in (BOS_ID, UNK_ID) for i in self.end_ids):
+      fail("end_ids", "must be ids of tokens of the vocabulary (not PAD, BOS or UNK)")

@@ -18,6 +18,11 @@ length, the parameters as arrays beside it, tokenizer files, labels and a manife
 
 It uses the model predict would (the newest snapshot or checkpoint), or the --step/--average
 selection; load it with `Served.load(DIR)` or serve it with `python -m transformer_jax.serve`.
+
+An import's workdir (`python -m transformer_jax.convert --from=hf_llama ... --workdir W`) has
+a parameter snapshot, W/exports/hf_llama/, and no training checkpoints: it is already what
+predict loads, so there is nothing to export in the orbax format (and no --step/--average to
+select); export it with --format=stablehlo to serve it.
 """
 
 from __future__ import annotations
@@ -78,27 +83,53 @@ def export_stablehlo(workdir: str, steps: list[int] | None, output: str | None,
   return output
 
 
+def _no_checkpoints(workdir: str, directory: str) -> MissingFileError:
+  """The error for an export that needs training checkpoints in a workdir without any: one
+  that has parameter snapshots (an import's) says they are what predict loads and that
+  --format=stablehlo serves them; one without says to train first."""
+  snapshots = checkpoint.models(workdir) if os.path.isdir(workdir) else []
+  if not snapshots:
+    return MissingFileError(f"{directory} does not exist; train first with "
+                            f"`python train.py --workdir {workdir}`")
+  names = ", ".join(sorted(os.path.basename(p) for p in snapshots))
+  selection = FLAGS.format == "stablehlo"   # with --step/--average
+  return MissingFileError(
+      ("--step/--average select among training checkpoints, and " if selection else "")
+      + f"{workdir} has no training checkpoints to export; its parameter snapshot(s) under "
+      f"{os.path.join(workdir, checkpoint.SNAPSHOT_DIR)}/ ({names}) are already what predict "
+      f"loads, and `python -m transformer_jax.export --workdir {workdir} --format=stablehlo`"
+      + (" (without --step/--average)" if selection else "")
+      + " writes a serving artifact from them")
+
+
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   directory = os.path.join(FLAGS.workdir, checkpoint.CHECKPOINT_DIR)
-  if not os.path.isdir(directory):
-    raise MissingFileError(f"{directory} does not exist; train first with "
-                           f"`python train.py --workdir {FLAGS.workdir}`")
-  steps = checkpoint.checkpoint_steps(directory)
   try:
+    if FLAGS.format == "stablehlo" and FLAGS.step == "latest" and FLAGS.average == 1:
+      # The model predict uses: the newest snapshot or checkpoint (an import has only the
+      # former), so no checkpoints are needed.
+      path = export_stablehlo(FLAGS.workdir, None, FLAGS.output, FLAGS.platforms,
+                              FLAGS.beam_size)
+      print(f"exported the served model (jax.export, StableHLO) to {path}")
+      return
+    steps = checkpoint.checkpoint_steps(directory) if os.path.isdir(directory) else []
+    if not steps and (not os.path.isdir(directory) or checkpoint.models(FLAGS.workdir)):
+      raise _no_checkpoints(FLAGS.workdir, directory)
     chosen = checkpoint.select_steps(steps, FLAGS.step, FLAGS.average,
                                      checkpoint.best_step(directory))
     if FLAGS.format == "stablehlo":
-      default = FLAGS.step == "latest" and FLAGS.average == 1   # the model predict uses
-      path = export_stablehlo(FLAGS.workdir, None if default else chosen, FLAGS.output,
-                              FLAGS.platforms, FLAGS.beam_size)
+      path = export_stablehlo(FLAGS.workdir, chosen, FLAGS.output, FLAGS.platforms,
+                              FLAGS.beam_size)
       print(f"exported the served model (jax.export, StableHLO) to {path}")
       return
     name = f"step_{chosen[-1]}" + (f"_avg{len(chosen)}" if len(chosen) > 1 else "")
     output = FLAGS.output or os.path.join(FLAGS.workdir, checkpoint.SNAPSHOT_DIR, name)
     path = checkpoint.write_average(directory, chosen, output)
+  except UserError:
+    raise
   except (ValueError, FileExistsError) as e:   # a --step or --average that cannot be had
     raise UserError(str(e)) from e
   print(f"exported the parameters of steps {chosen} to {path}")

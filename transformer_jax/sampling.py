@@ -173,8 +173,8 @@ def continue_rows(model: LanguageModel, params: Any, rows: Array, lengths: Array
                   keys: Array, max_new_tokens: int, temperature: Array, top_k: Array,
                   top_p: Array, use_cache: bool = True) -> Array:
   """rows (B, P + max_new_tokens): each prompt in its first `lengths` (B,) <= P positions.
-  Returns the (B, max_new_tokens) tokens drawn after each prompt; a row that draws EOS
-  stops there (PAD after it), and the loop ends once every row has. The prompts go through
+  Returns the (B, max_new_tokens) tokens drawn after each prompt; a row that draws EOS (or
+  another of the config's end_ids) stops there (PAD after it), and the loop ends once every row has. The prompts go through
   the model at once, filling the cache (prefill); then each `step` feeds every row its last
   token at its own position. Without the cache each step runs the whole model over the rows
   (what the cache must equal)."""
@@ -198,11 +198,17 @@ def continue_rows(model: LanguageModel, params: Any, rows: Array, lengths: Array
       drawn = _draw(_logits_at(cast(Array, model.apply({"params": params}, rows)), at), keys,
                     at + 1, *settings, banned_ids(model.config))
     drawn = jnp.where(finished, PAD_ID, drawn)
-    return k + 1, cache, rows, drawn, finished | (drawn == EOS_ID), out.at[:, k].set(drawn)
+    return (k + 1, cache, rows, drawn, finished | ends_text(drawn, model.config),
+            out.at[:, k].set(drawn))
 
   out = jnp.full((batch, max_new_tokens), PAD_ID, jnp.int32).at[:, 0].set(first)
-  state = (jnp.array(1), cache, rows, first, first == EOS_ID, out)
+  state = (jnp.array(1), cache, rows, first, ends_text(first, model.config), out)
   return jax.lax.while_loop(lambda s: (s[0] < max_new_tokens) & ~s[4].all(), body, state)[5]
+
+
+def ends_text(tokens: Array, config: TransformerConfig) -> Array:
+  """Whether each token ends its text: EOS, or one of the config's end_ids."""
+  return jnp.isin(tokens, jnp.array((EOS_ID, *config.end_ids), jnp.int32))
 
 
 def _logits_at(logits: Array, positions: Array) -> Array:
@@ -281,6 +287,7 @@ def check_room(config: TransformerConfig, max_new_tokens: int) -> None:
                      f"for at most {config.max_len - 1}")
 
 
-def continuations(out: Any) -> list[list[int]]:
-  """Each row's continuation ids up to (not including) EOS or PAD."""
-  return [strip_special(row) for row in jax.device_get(out)]
+def continuations(out: Any, end_ids: tuple[int, ...] = ()) -> list[list[int]]:
+  """Each row's continuation ids up to (not including) EOS, PAD or one of `end_ids` (the
+  config's further end tokens)."""
+  return [strip_special(row, end_ids) for row in jax.device_get(out)]

@@ -127,7 +127,7 @@ def main(argv: list[str]) -> None:
   log, log_stream = _request_logger(FLAGS.request_log)
   batcher = Batcher(served, FLAGS.max_batch, FLAGS.max_wait_ms / 1000)
   streams = None if decoding is None else StreamBatcher(
-      decoding, served.tokenizer.decode, served.manifest["special_ids"]["eos"], batcher.metrics)
+      decoding, served.tokenizer.decode, served.end_ids, batcher.metrics)
   if streams is not None and FLAGS.warm_up_tokens:
     started = time.monotonic()
     shapes = streams.warm_up(FLAGS.warm_up_tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from absl import flags, logging
 
 from transformer_jax import errors
-from transformer_jax.convert.formats import FORMATS, run
+from transformer_jax.convert.formats import AUTO, FORMATS, run
 
 FLAGS = flags.FLAGS
 
@@ -13,10 +13,13 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The command-line flags, defined only when this module is the program (other commands
   define some of the same names)."""
-  flags.DEFINE_enum("from", None, list(FORMATS), "Import this format.")
-  flags.DEFINE_enum("to", None, list(FORMATS), "Export to this format.")
-  flags.DEFINE_string("input", None, "Import: a MarianMT, GPT-2 or Llama save_pretrained "
-                      "directory (hf_gpt2, hf_llama: or a Hugging Face Hub model, e.g. gpt2), "
+  flags.DEFINE_enum("from", None, [AUTO, *FORMATS], "Import this format; hf: the Hugging "
+                    "Face family config.json's model_type names.")
+  flags.DEFINE_enum("to", None, [AUTO, *FORMATS], "Export to this format; hf: the family "
+                    "the model was imported from (else the first that expresses it).")
+  flags.DEFINE_string("input", None, "Import: a Hugging Face save_pretrained directory "
+                      "(MarianMT, GPT-2, Llama, Mistral, Qwen2/3, Gemma 3; the causal LMs: or "
+                      "a Hugging Face Hub model, e.g. gpt2), "
                       "or a torch state_dict file (.safetensors, or .pt with --allow_pickle).")
   flags.DEFINE_string("output", None, "Export: the directory (hf_marian, hf_gpt2, hf_llama) or "
                       "file (torch: .safetensors, else torch.save) to write.")

@@ -6,7 +6,14 @@ the export themselves (`Family.read`, `Family.write`).
 Their tokenizers are Hugging Face's (data/hf_tokenizer.py): our ids are theirs re-ordered
 with PAD, BOS, EOS and UNK first, so every table over the vocabulary (the token embedding,
 an untied lm_head) is re-laid on the way in and out, zero rows standing for the ids they
-have no token for. The import is greedy, as `generate()` is by default.
+have no token for.
+
+Generation as `generate()` does it: the import stops at every eos_token_id of config.json
+and generation_config.json (Llama 3's three, Qwen's <|im_end|> and <|endoftext|>: the
+tokenizer's eos_token is our EOS, the others `TransformerConfig.end_ids`), and decodes with
+generation_config.json's do_sample, temperature, top_k and top_p (greedy where it does not
+sample, as generate() is by default; transformers' defaults where it samples without
+saying).
 """
 
 from __future__ import annotations
@@ -18,9 +25,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from transformer_jax.config import TransformerConfig
+from transformer_jax.config import EOS_ID, TransformerConfig
 from transformer_jax.convert.files import Imported, OurModel, read_json, write_json
-from transformer_jax.convert.hf import need_file, read_weights, write_weights
+from transformer_jax.convert.hf import need_file, optional_json, read_weights, write_weights
 from transformer_jax.convert.tensors import ConvertError, check_shape
 from transformer_jax.data.hf_tokenizer import HFTokenizer
 from transformer_jax.errors import UserError
@@ -50,11 +57,13 @@ class Family:
     except UserError as e:   # the tokenizer's files refused
       raise ConvertError(f"{directory}: {e}") from None
     cfg = self.config_from_hf(hf, tokenizer, os.path.join(directory, "config.json"))
+    generation = optional_json(directory, "generation_config.json")
+    cfg = cfg.replace(end_ids=end_ids(hf, generation, tokenizer))
     weights, state = read_weights(directory, allow_pickle)
     params = self.state_to_params(state, cfg, tokenizer, weights)
-    run_config = {"task": "lm", "model": cfg.to_dict(),
-                  # Greedy, as generate() is by default; room for a prompt as long.
-                  "decode": {"temperature": 0.0, "max_new_tokens": min(200, cfg.max_len // 2)},
+    # Room for a prompt as long as the continuation.
+    decode = {**decode_defaults(generation), "max_new_tokens": min(200, cfg.max_len // 2)}
+    run_config = {"task": "lm", "model": cfg.to_dict(), "decode": decode,
                   "converted_from": {"format": self.name, "path": os.path.abspath(directory)}}
     return cfg, params, run_config, tokenizer, tokenizer
 
@@ -68,24 +77,59 @@ class Family:
     os.makedirs(output, exist_ok=True)
     write_weights(output, self.params_to_state(model.params, cfg, tokenizer))
     write_json(os.path.join(output, "config.json"), self.hf_config(cfg, tokenizer))
+    ends = [tokenizer.end_id, *tokenizer.to_theirs(list(cfg.end_ids)).tolist()]
     write_json(os.path.join(output, "generation_config.json"),
-               {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.end_id})
+               {"bos_token_id": tokenizer.bos_id,
+                "eos_token_id": ends if len(ends) > 1 else ends[0]})
     tokenizer.write_hf_files(output, model_max_length=cfg.max_len)
     return ""
 
 
 def check_vocabulary(hf: dict, tokenizer: HFTokenizer, source: str) -> None:
-  """config.json's vocab_size, bos_token_id and eos_token_id must be the tokenizer's (a
-  generation here stops at one token, the tokenizer's eos_token)."""
+  """config.json's vocab_size, and bos_token_id where the tokenizer adds one, must be the
+  tokenizer's; its eos_token_id
+  (one id or a list: the ids that end a text) must hold the tokenizer's eos_token, which
+  ends the texts this project trains on."""
   if hf.get("vocab_size") != tokenizer.size:
     raise ConvertError(f"{source}: vocab_size={hf.get('vocab_size')}, but the tokenizer has "
                        f"{tokenizer.size} tokens")
-  for name, expected in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.end_id)):
-    if hf.get(name, expected) != expected:
-      token = tokenizer.eos_token if name == "eos_token_id" else "bos_token"
-      raise ConvertError(f"{source}: {name}={hf[name]!r} is not the tokenizer's {token} "
-                         f"({expected}), the one token this project "
-                         f"{'ends' if name == 'eos_token_id' else 'starts'} texts with")
+  # A tokenizer that adds no BOS (Qwen's) never gives the model config.json's bos_token_id.
+  if tokenizer.add_bos and hf.get("bos_token_id", tokenizer.bos_id) != tokenizer.bos_id:
+    raise ConvertError(f"{source}: bos_token_id={hf['bos_token_id']!r} is not the "
+                       f"tokenizer's bos_token ({tokenizer.bos_id}), the one token this "
+                       "project starts texts with")
+  ends = _ids(hf.get("eos_token_id", tokenizer.end_id))
+  if tokenizer.end_id not in ends:
+    raise ConvertError(f"{source}: eos_token_id={hf['eos_token_id']!r} does not hold the "
+                       f"tokenizer's eos_token {tokenizer.eos_token!r} ({tokenizer.end_id}), "
+                       "which ends the texts this project trains on")
+
+
+def _ids(value: Any) -> list[int]:
+  """An eos_token_id field (one id, a list, or null) as a list."""
+  return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def end_ids(hf: dict, generation: dict, tokenizer: HFTokenizer) -> tuple[int, ...]:
+  """Our ids, besides EOS, of the eos_token_ids of config.json and generation_config.json
+  (the tokens generate() stops at)."""
+  theirs = set(_ids(hf.get("eos_token_id"))) | set(_ids(generation.get("eos_token_id")))
+  if any(not 0 <= i < tokenizer.size for i in theirs):
+    raise ConvertError(f"eos_token_id {sorted(theirs)}: ids past the tokenizer's "
+                       f"{tokenizer.size} tokens")
+  ours = {int(i) for i in tokenizer.to_ours(sorted(theirs))} - {EOS_ID}
+  return tuple(sorted(ours))
+
+
+def decode_defaults(generation: dict) -> dict[str, Any]:
+  """Our decode options of generation_config.json, as generate() reads it: greedy unless
+  do_sample; sampling with its temperature, top_k and top_p (transformers' defaults 1.0,
+  50 and 1.0 where it gives none)."""
+  if not generation.get("do_sample"):
+    return {"temperature": 0.0}
+  return {"temperature": float(generation.get("temperature") or 1.0),
+          "top_k": int(50 if generation.get("top_k") is None else generation["top_k"]),
+          "top_p": float(1.0 if generation.get("top_p") is None else generation["top_p"])}
 
 
 def rows_to_ours(theirs: np.ndarray, tokenizer: HFTokenizer) -> np.ndarray:

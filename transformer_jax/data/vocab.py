@@ -19,11 +19,12 @@ SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
 assert (PAD_ID, BOS_ID, EOS_ID, UNK_ID) == (0, 1, 2, 3)
 
 
-def strip_special(ids: Any) -> list[int]:
-  """Token ids up to (not including) the first EOS, without padding."""
+def strip_special(ids: Any, end_ids: Sequence[int] = ()) -> list[int]:
+  """Token ids up to (not including) the first EOS (or other `end_ids`: a language model's
+  further end tokens), without padding."""
   out = []
   for token in np.asarray(ids).tolist():
-    if token == EOS_ID:
+    if token == EOS_ID or token in end_ids:
       break
     if token != PAD_ID:
       out.append(token)

@@ -1,10 +1,12 @@
-"""Masks, scaled dot-product attention (the einsum and XLA paths here, the fused kernels in
+"""Scaled dot-product attention (the einsum and XLA paths here, the fused kernels in
 kernels.py) and multi-head attention with a KV cache.
 
 Shapes: B batch, T query length, S key length, N heads, H head dimension (d_k).
-A model describes its masks as an `AttentionMask` (segment ids and a causal flag), which
-each path turns into what it takes: the einsum and XLA paths a dense boolean (B, 1, T, S)
-mask, True where a query may attend to a key; the kernels lengths, offsets or segment ids.
+A model describes its masks as an `AttentionMask` (masks.py: segment ids, a causal flag, a
+sliding window), which each path turns into what it takes: the einsum and XLA paths a
+dense boolean (B, 1, T, S) mask, True where a query may attend to a key; the kernels
+lengths, offsets or segment ids. Scores are Q K^T times `scale`, 1/sqrt(H) unless the
+config says otherwise (`TransformerConfig.attention_scale`).
 """
 
 from __future__ import annotations
@@ -13,84 +15,18 @@ import functools
 from typing import Callable
 
 import flax.linen as nn
-import flax.struct
 import jax
 import jax.numpy as jnp
 
 from transformer_jax.config import TransformerConfig
 from transformer_jax.modules import kernels
-from transformer_jax.modules.embedding import rotary
+from transformer_jax.modules.embedding import rotary, rotary_frequencies
 from transformer_jax.modules.init import kernel_init
+from transformer_jax.modules.masks import AttentionMask, window_mask
+from transformer_jax.modules.norms import norm
 from transformer_jax.sharding import partitioned
 
 Array = jax.Array
-
-
-# ------------------------------------------------------------------------------------ masks
-def padding_mask(query_valid: Array, key_valid: Array) -> Array:
-  """(B, T) and (B, S) booleans -> (B, 1, T, S): keys that are padding are hidden.
-
-  Only keys are masked: a padding query still attends somewhere (its output is ignored),
-  which keeps every softmax row finite.
-  """
-  del query_valid  # Kept in the signature so call sites read symmetrically.
-  return key_valid[:, None, None, :]
-
-
-def causal_mask(length: int) -> Array:
-  """(1, 1, T, T): position t sees positions <= t."""
-  return jnp.tril(jnp.ones((length, length), jnp.bool_))[None, None]
-
-
-def segment_mask(query_segments: Array, key_segments: Array) -> Array:
-  """(B, 1, T, S): packed sequences attend only within their own segment."""
-  return query_segments[:, None, :, None] == key_segments[:, None, None, :]
-
-
-def combine_masks(*masks: Array | None) -> Array | None:
-  """Logical AND of the masks that are not None (None when all are)."""
-  given = [m for m in masks if m is not None]
-  if not given:
-    return None
-  out = given[0]
-  for m in given[1:]:
-    out = jnp.logical_and(out, m)
-  return out
-
-
-@flax.struct.dataclass
-class AttentionMask:
-  """Which keys each query may see, in the form the kernels take. `query_segments` (B, T)
-  and `key_segments` (B, S) are int32, 0 at padding. Unpacked rows (`packed` False): every
-  query sees every real key (segments are 1 and 0). Packed rows: a query sees the keys of
-  its own segment. `causal`: and no later key (T == S). `max_segments`: the packer's bound
-  on segments per row (0: none given), which sizes cuDNN's packed layout."""
-  query_segments: Array
-  key_segments: Array
-  causal: bool = flax.struct.field(pytree_node=False, default=False)
-  packed: bool = flax.struct.field(pytree_node=False, default=False)
-  max_segments: int = flax.struct.field(pytree_node=False, default=0)
-
-  @classmethod
-  def build(cls, query_valid: Array, key_valid: Array, query_segments: Array | None = None,
-            key_segments: Array | None = None, causal: bool = False,
-            max_segments: int = 0) -> "AttentionMask":
-    """From (B, T) and (B, S) validity and, for packed rows, their segment ids."""
-    if query_segments is not None and key_segments is not None:
-      queries = jnp.where(query_valid, query_segments, 0).astype(jnp.int32)
-      keys = jnp.where(key_valid, key_segments, 0).astype(jnp.int32)
-      return cls(queries, keys, causal=causal, packed=True, max_segments=max_segments)
-    return cls(query_valid.astype(jnp.int32), key_valid.astype(jnp.int32), causal=causal)
-
-  def dense(self) -> Array:
-    """The (B, 1, T, S) boolean mask. A padding query sees what a real one would (packed:
-    nothing, a fully masked row), and its output is never read."""
-    mask = padding_mask(self.query_segments != 0, self.key_segments != 0)
-    if self.packed:
-      mask = jnp.logical_and(mask, segment_mask(self.query_segments, self.key_segments))
-    if self.causal:
-      mask = jnp.logical_and(mask, causal_mask(self.query_segments.shape[1]))
-    return mask
 
 
 # ------------------------------------------------------------------- dot-product attention
@@ -114,23 +50,34 @@ def _weighted_sum(weights: Array, value: Array, **einsum_options) -> Array:
   return out.reshape(batch, t, heads, value.shape[3])
 
 
-def _masked_logits(query: Array, key: Array, mask: Array | None) -> Array:
-  """Q K^T / sqrt(d_k) in the compute dtype, masked keys at its lowest value, as float32:
-  the softmax's exponentials and sums are where bf16 would lose precision."""
-  depth = query.shape[-1]
-  logits = _scores(query, key) / jnp.sqrt(depth).astype(query.dtype)
+def default_scale(query: Array) -> float:
+  """1 / sqrt(d_k), the paper's scale of the scores."""
+  return float(query.shape[-1]) ** -0.5
+
+
+def _masked_logits(query: Array, key: Array, mask: Array | None,
+                   scale: float | None = None) -> Array:
+  """Q K^T * scale (default 1 / sqrt(d_k)) in the compute dtype, masked keys at its lowest
+  value, as float32: the softmax's exponentials and sums are where bf16 would lose
+  precision."""
+  if scale is None:
+    logits = _scores(query, key) / jnp.sqrt(query.shape[-1]).astype(query.dtype)
+  else:
+    logits = _scores(query, key) * jnp.asarray(scale, query.dtype)
   if mask is not None:
     logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
   return logits.astype(jnp.float32)
 
 
-def attention_weights(query: Array, key: Array, mask: Array | None) -> Array:
+def attention_weights(query: Array, key: Array, mask: Array | None,
+                      scale: float | None = None) -> Array:
   """softmax(Q K^T / sqrt(d_k)) with masked logits: (B,T,N,H),(B,S,K,H) -> (B,N,T,S)."""
-  return jax.nn.softmax(_masked_logits(query, key, mask), axis=-1).astype(query.dtype)
+  return jax.nn.softmax(_masked_logits(query, key, mask, scale), axis=-1).astype(query.dtype)
 
 
 def attend(query: Array, key: Array, value: Array, mask: Array | None,
-           dropout: Callable[[Array], Array] | None = None) -> Array:
+           dropout: Callable[[Array], Array] | None = None,
+           scale: float | None = None) -> Array:
   """softmax(Q K^T / sqrt(d_k)) V with the normalisation moved after the weighted sum, as
   flash attention does: exp(logits - max) goes into the product unnormalised, and the
   (B, T, N, H) output, not the (B, N, T, S) weights, is divided by the row sums. That saves a
@@ -139,7 +86,7 @@ def attend(query: Array, key: Array, value: Array, mask: Array | None,
   benchmarks/RESULTS.md). Same precision as `attention_weights`: exponentials and sums in
   float32, the weights rounded to the compute dtype for the product, which accumulates in
   float32 before the division. `dropout` acts on the weights, as dropout(softmax) does."""
-  logits = _masked_logits(query, key, mask)
+  logits = _masked_logits(query, key, mask, scale)
   # The row max only keeps exp() in range; the softmax does not depend on it.
   unnormalized = jnp.exp(logits - jax.lax.stop_gradient(logits.max(-1, keepdims=True)))
   row_sums = unnormalized.sum(-1)                                          # (B, N, T)
@@ -184,7 +131,7 @@ _divide_by_row_sums.defvjp(_divide_forward, _divide_backward)
 
 def dot_product_attention(query: Array, key: Array, value: Array,
                           mask: AttentionMask | Array | None,
-                          implementation: str = "xla") -> Array:
+                          implementation: str = "xla", scale: float | None = None) -> Array:
   """Attention output (B, T, N, H).
 
   "einsum" is the explicit path, `attend`; "xla" goes through
@@ -192,22 +139,25 @@ def dot_product_attention(query: Array, key: Array, value: Array,
   ("pallas", "cudnn", "cudnn_dense", "splash") take the `AttentionMask` as they take it
   natively; "auto" is what the platform being compiled for proved exact and fastest
   (kernels.AUTO). A kernel that cannot run here falls back to "xla" with a warning naming
-  the reason; a dense mask (the decoding cache's) takes the einsum or XLA path.
+  the reason; a dense mask (the decoding cache's) takes the einsum or XLA path. `scale`
+  multiplies the scores (default 1 / sqrt(H)).
   """
   implementation = kernels.resolve(implementation)
   if implementation in kernels.KERNELS and isinstance(mask, AttentionMask):
     heads = query.shape[2]      # the kernels take as many key and value heads as query heads
     fused = kernels.fused_attention(query, _shared_by_groups(key, heads),
-                                    _shared_by_groups(value, heads), mask, implementation)
+                                    _shared_by_groups(value, heads), mask, implementation,
+                                    default_scale(query) if scale is None else scale)
     if fused is not None:
       return fused
   if isinstance(mask, AttentionMask):
     mask = mask.dense()
   if implementation == "einsum":
-    return attend(query, key, value, mask)
+    return attend(query, key, value, mask, scale=scale)
   if mask is not None:
     mask = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
-  return jax.nn.dot_product_attention(query, key, value, mask=mask, implementation="xla")
+  return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale,
+                                      implementation="xla")
 
 
 # ----------------------------------------------------------------------- multi-head module
@@ -236,7 +186,10 @@ class MultiHeadAttention(nn.Module):
   """Multi-head attention with Q/K/V/output projections (paper §3.2.2); with
   `config.fused_qkv`, self-attention computes Q, K and V with one matmul.
 
-  `role` is "self" or "cross". With `decode=True` the module keeps a 'cache' collection:
+  `role` is "self" or "cross"; `sliding`: self-attention sees only config.sliding_window
+  keys back (a sliding layer), its rotary positions by the sliding layers' base
+  (`rotary_frequencies`). With `qk_norm`, each head's query and key are normalised (the
+  config's norm over H) before their rotation. With `decode=True` the module keeps a 'cache' collection:
   self-attention writes each call's keys/values at their positions; cross-attention projects the
   encoder output once, on the call that creates the cache, and reuses it afterwards.
   With the einsum path, attention weights are sown into 'intermediates' (pass
@@ -245,14 +198,15 @@ class MultiHeadAttention(nn.Module):
 
   config: TransformerConfig
   role: str = "self"
+  sliding: bool = False
 
   def _projection(self, name: str, heads: int | None = None) -> nn.DenseGeneral:
     """(B, T, D) -> (B, T, heads, H): `heads` query heads by default; keys and values have
-    config.kv_heads."""
+    config.kv_heads. Biases with use_bias, or qkv_bias (Qwen2's)."""
     cfg = self.config
     return nn.DenseGeneral(
         features=(heads or cfg.num_heads, cfg.head_dim), dtype=cfg.compute_dtype,
-        param_dtype=cfg.params_dtype, name=name, use_bias=cfg.use_bias,
+        param_dtype=cfg.params_dtype, name=name, use_bias=cfg.use_bias or cfg.qkv_bias,
         kernel_init=partitioned(kernel_init(cfg), ("embed", "heads", "kv")),
         bias_init=partitioned(nn.initializers.zeros_init(), ("heads", "kv")))
 
@@ -263,7 +217,7 @@ class MultiHeadAttention(nn.Module):
     cfg = self.config
     qkv = nn.DenseGeneral(
         features=(3, cfg.num_heads, cfg.head_dim), dtype=cfg.compute_dtype,
-        param_dtype=cfg.params_dtype, name="qkv", use_bias=cfg.use_bias,
+        param_dtype=cfg.params_dtype, name="qkv", use_bias=cfg.use_bias or cfg.qkv_bias,
         kernel_init=partitioned(_stacked(kernel_init(cfg), 3),
                                 ("embed", "qkv", "heads", "kv")),
         bias_init=partitioned(nn.initializers.zeros_init(), ("qkv", "heads", "kv")))(inputs)
@@ -276,8 +230,9 @@ class MultiHeadAttention(nn.Module):
     """`positions` (B, T): where the queries (and in self-attention the keys) are, which
     rotary positions (config.positional="rotary") rotate them by."""
     cfg = self.config
+    window = cfg.sliding_window if self.sliding else 0
     if self.role == "cross":
-      query = self._projection("query")(inputs_q)                    # (B, T, N, H)
+      query = self._normed("query", self._projection("query")(inputs_q))   # (B, T, N, H)
       key, value = self._cross_keys_values(inputs_kv, decode)        # (B, S, K, H)
     else:
       if cfg.fused_qkv:
@@ -286,13 +241,17 @@ class MultiHeadAttention(nn.Module):
         query = self._projection("query")(inputs_q)
         key = self._projection("key", cfg.kv_heads)(inputs_q)
         value = self._projection("value", cfg.kv_heads)(inputs_q)
+      query, key = self._normed("query", query), self._normed("key", key)
       if cfg.positional == "rotary":
         if positions is None:
           raise ValueError("rotary positions need the tokens' `positions` (B, T)")
-        query = rotary(query, positions, cfg.rope_theta)
-        key = rotary(key, positions, cfg.rope_theta)
+        frequencies = rotary_frequencies(cfg, self.sliding)
+        query = rotary(query, positions, frequencies)
+        key = rotary(key, positions, frequencies)
       if decode:   # the cache keeps K heads, not N: the memory grouped queries save
-        key, value, mask = self._append_to_cache(key, value, mask, positions)
+        key, value, mask = self._append_to_cache(key, value, mask, positions, window)
+      elif window and isinstance(mask, AttentionMask):
+        mask = mask.with_window(window)
     implementation = kernels.resolve(cfg.attention_impl)
     if decode and implementation in kernels.KERNELS:
       implementation = "xla"   # one query a step against the cache: nothing to fuse
@@ -303,14 +262,15 @@ class MultiHeadAttention(nn.Module):
     explicit = implementation == "einsum" or (train and cfg.attention_dropout_rate > 0)
     dropout = nn.Dropout(cfg.attention_dropout_rate, deterministic=not train)
     dense = mask.dense() if isinstance(mask, AttentionMask) else mask   # explicit paths only
+    scale = cfg.attention_scale or None
     if explicit and self.is_mutable_collection("intermediates"):   # attention maps
-      weights = attention_weights(query, key, dense)
+      weights = attention_weights(query, key, dense, scale)
       self.sow("intermediates", "attention_weights", weights)
       out = _weighted_sum(dropout(weights), value)
     elif explicit:
-      out = attend(query, key, value, dense, dropout)
+      out = attend(query, key, value, dense, dropout, scale)
     else:
-      out = dot_product_attention(query, key, value, mask, implementation)
+      out = dot_product_attention(query, key, value, mask, implementation, scale)
 
     return nn.DenseGeneral(
         features=cfg.d_model, axis=(-2, -1), dtype=cfg.compute_dtype,
@@ -318,13 +278,20 @@ class MultiHeadAttention(nn.Module):
         kernel_init=partitioned(kernel_init(cfg, into_residual=True), ("heads", "kv", "embed")),
         bias_init=partitioned(nn.initializers.zeros_init(), ("embed",)))(out)
 
+  def _normed(self, name: str, x: Array) -> Array:
+    """With config.qk_norm, each head of x (B, T, heads, H) normalised over H by the
+    config's norm ("query_norm", "key_norm"); else x."""
+    if not self.config.qk_norm:
+      return x
+    return norm(self.config, f"{name}_norm", axis_name="kv")(x)
+
   def _cross_keys_values(self, inputs_kv: Array | None, decode: bool) -> tuple[Array, Array]:
     if decode and self.has_variable("cache", "cross_key"):
       return self.get_variable("cache", "cross_key"), self.get_variable("cache", "cross_value")
     if inputs_kv is None:
       raise ValueError("cross-attention needs the encoder output on its first decode call "
                        "(the call that initializes the cache)")
-    key = self._projection("key", self.config.kv_heads)(inputs_kv)
+    key = self._normed("key", self._projection("key", self.config.kv_heads)(inputs_kv))
     value = self._projection("value", self.config.kv_heads)(inputs_kv)
     if decode:  # First call: cache the projected source once for all decoding steps.
       self.put_variable("cache", "cross_key", key)
@@ -332,7 +299,7 @@ class MultiHeadAttention(nn.Module):
     return key, value
 
   def _append_to_cache(self, key: Array, value: Array, mask: AttentionMask | Array | None,
-                       positions: Array | None
+                       positions: Array | None, window: int = 0
                        ) -> tuple[Array, Array, AttentionMask | Array | None]:
     """Self-attention decoding: the initializing call (a dummy input of the cache's length)
     creates the cache; each later call writes its T tokens' keys and values at their own
@@ -355,6 +322,8 @@ class MultiHeadAttention(nn.Module):
     cached_value.value = cached_value.value.at[rows, :, positions].set(value, mode="drop")
     slots = jnp.arange(cached_key.value.shape[2])
     step_mask = slots[None, None, None, :] <= positions[:, None, :, None]   # (B, 1, T, L)
+    if window:   # a sliding layer: the cache keeps every position, the mask reads the window
+      step_mask &= window_mask(positions, slots[None], window, causal=True)[:, None]
     return (jnp.swapaxes(cached_key.value, 1, 2), jnp.swapaxes(cached_value.value, 1, 2),
             step_mask)
 

@@ -38,20 +38,23 @@ def check_size(query: Array, key: Array, implementation: str) -> None:
 
 def attention(query: Array, key: Array, value: Array, query_segments: Array,
               key_segments: Array, *, causal: bool, packed: bool, max_segments: int = 0,
+              scale: float | None = None,
               implementation: Literal["cudnn", "xla"] = "cudnn") -> Array:
   """cuDNN flash attention with the mask as lengths (unpacked) or cuDNN's packed layout
   (`packed_layout`, sized by `max_segments`, the packer's bound on segments per row).
   `implementation="xla"` runs JAX's reference of the same unpacked call (a CPU check of the
   lengths); packed rows need the GPU. Gradients at padding positions are zero, whatever the
-  kernel leaves in them."""
+  kernel leaves in them. `scale` multiplies the scores (default 1 / sqrt(H))."""
   check_size(query, key, "cudnn")
+  if scale is None:
+    scale = float(1 / np.sqrt(query.shape[-1]))
   if not packed:
     # A row with no key at all (an empty padding row) attends to its first key: finite,
     # and its output is never read.
     return jax.nn.dot_product_attention(
         query, key, value, is_causal=causal,
         query_seq_lengths=_lengths(query_segments),
-        key_value_seq_lengths=jnp.maximum(_lengths(key_segments), 1),
+        key_value_seq_lengths=jnp.maximum(_lengths(key_segments), 1), scale=scale,
         implementation=implementation)
   from jax._src.cudnn import fused_attention_stablehlo as binding  # packed: no public API
   if max_segments < 1:
@@ -64,17 +67,20 @@ def attention(query: Array, key: Array, value: Array, query_segments: Array,
   out = binding.dot_product_attention(
       _zero_gradient_outside(query, query_valid), _zero_gradient_outside(key, key_valid),
       _zero_gradient_outside(value, key_valid), q_seqlen=q_lengths, kv_seqlen=kv_lengths,
-      q_offsets=q_offsets, kv_offsets=kv_offsets, scale=float(1 / np.sqrt(query.shape[-1])),
+      q_offsets=q_offsets, kv_offsets=kv_offsets, scale=scale,
       mask_type=mask_type)
   return jnp.where(query_valid[:, :, None, None], out, 0).astype(out.dtype)
 
 
-def dense_attention(query: Array, key: Array, value: Array, mask: Array) -> Array:
+def dense_attention(query: Array, key: Array, value: Array, mask: Array,
+                    scale: float | None = None) -> Array:
   """cuDNN flash attention given the dense (B, 1, T, S) boolean mask, which JAX turns into
-  a bias (the call measured fastest on an H200, 2026-11-26, before the masks were native)."""
+  a bias (the call measured fastest on an H200, 2026-11-26, before the masks were native).
+  `scale` multiplies the scores (default 1 / sqrt(H))."""
   check_size(query, key, "cudnn_dense")
   mask = jnp.broadcast_to(mask, (query.shape[0], 1, query.shape[1], key.shape[1]))
-  return jax.nn.dot_product_attention(query, key, value, mask=mask, implementation="cudnn")
+  return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale,
+                                      implementation="cudnn")
 
 
 @jax.custom_vjp

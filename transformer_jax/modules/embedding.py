@@ -73,15 +73,42 @@ def token_embedding(config: TransformerConfig, vocab_size: int, name: str) -> nn
       embedding_init=partitioned(embedding_init(config), ("vocab", "embed")))
 
 
-def rotary(x: Array, positions: Array, theta: float) -> Array:
+def rotary_frequencies(config: TransformerConfig, sliding: bool = False) -> np.ndarray:
+  """The (H/2,) float32 angles per position of a layer's rotary pairs: theta^(-2i/H), with
+  the config's rope scaling. "linear" divides every frequency by the factor (positions
+  interpolated); "llama3" (Llama 3.1) divides only the low frequencies, whose wavelength
+  exceeds original_max_len / low_freq_factor, keeps those shorter than original_max_len /
+  high_freq_factor and blends the ones between. A sliding layer with `local_rope_theta`
+  (Gemma 3) takes that base, unscaled. Computed in float64 once, at trace time."""
+  half = config.head_dim // 2
+  local = sliding and config.local_rope_theta > 0
+  theta = config.local_rope_theta if local else config.rope_theta
+  frequencies = theta ** (-np.arange(half, dtype=np.float64) / half)
+  kind, factor = ("none", 1.0) if local else (config.rope_scaling, config.rope_scaling_factor)
+  if kind == "linear":
+    frequencies = frequencies / factor
+  elif kind == "llama3":
+    context = config.rope_original_max_len
+    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+    wavelengths = 2 * np.pi / frequencies
+    smooth = (context / wavelengths - low) / (high - low)
+    blended = (1 - smooth) * frequencies / factor + smooth * frequencies
+    frequencies = np.where(wavelengths > context / low, frequencies / factor,
+                           np.where(wavelengths < context / high, frequencies, blended))
+  return frequencies.astype(np.float32)
+
+
+def rotary(x: Array, positions: Array, frequencies: Array | np.ndarray | float) -> Array:
   """Rotary position embedding (RoPE, Su et al. 2021) of queries or keys x (B, T, N, H) at
   positions (B, T): dimension i of the first half and i + H/2 of the second form a pair
-  rotated by the angle position * theta^(-2i/H) (the "rotate half" layout of GPT-NeoX and
-  LLaMA), so a rotated query and key have a dot product that depends only on their
+  rotated by the angle position * frequencies[i] (`rotary_frequencies`; a number is the
+  unscaled base theta, frequencies theta^(-2i/H)), in the "rotate half" layout of GPT-NeoX
+  and LLaMA, so a rotated query and key have a dot product that depends only on their
   positions' difference. Angles in float32: bf16 positions lose precision past 256."""
   half = x.shape[-1] // 2
-  inverse_frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)      # (H/2,)
-  angles = positions.astype(jnp.float32)[..., None] * inverse_frequencies      # (B, T, H/2)
+  if isinstance(frequencies, (int, float)):
+    frequencies = frequencies ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(frequencies)   # (B, T, H/2)
   cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
   first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
   rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], -1)

@@ -19,7 +19,10 @@ there (AUTO below; docs/gpu.md cites the measurements).
   ids with a causal mask or none. `interpret=True` runs it on a CPU (the tests).
 
 Shapes: B batch, T query length, S key length, N heads, H head dimension; the mask is
-`attention.AttentionMask`. No kernel has attention dropout (config.py refuses it).
+`masks.AttentionMask`. No kernel has attention dropout (config.py refuses it). Sliding
+windows (`AttentionMask.window`): splash takes one natively (a local mask), cudnn_dense in
+its dense mask; pallas and cudnn (packed or by lengths) have none and refuse one
+(`WINDOWED`). `scale` multiplies the scores in every kernel.
 """
 
 from __future__ import annotations
@@ -39,11 +42,10 @@ from jax.sharding import PartitionSpec as P
 from transformer_jax import sharding
 from transformer_jax.errors import UserError
 from transformer_jax.modules import cudnn
+from transformer_jax.modules.masks import AttentionMask
 
 if TYPE_CHECKING:
   from jax.experimental.pallas.ops.gpu.attention import BlockSizes
-
-  from transformer_jax.modules.attention import AttentionMask
 
 Array = jax.Array
 
@@ -56,6 +58,7 @@ KERNELS = tuple(KERNEL_PLATFORMS)   # config.KERNELS, in the same order (tested)
 # (one H100, 2026-11-28: cuDNN's packed layout gave NaN gradients and a 5.8x slower step;
 # Pallas is not yet measured). TPUs: splash.
 AUTO = {"gpu": "einsum", "cuda": "einsum", "tpu": "splash"}
+WINDOWED = ("splash", "cudnn_dense")   # the kernels that take a sliding window
 
 _TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "attention_target_platform", default=None)
@@ -119,11 +122,21 @@ def check_dropout(implementation: str, attention_dropout_rate: float,
                       "set it to 0, or attention_impl to 'einsum'")
 
 
-def fused_attention(query: Array, key: Array, value: Array, mask: "AttentionMask",
-                    implementation: str) -> Array | None:
+def check_window(implementation: str, sliding_window: int, on: str | None = None) -> None:
+  """Refuses a sliding window where `implementation` resolves to a kernel without one."""
+  resolved = resolve(implementation, on)
+  if sliding_window and resolved in KERNELS and resolved not in WINDOWED:
+    raise KernelError(f"model.sliding_window={sliding_window}: the {resolved} kernel "
+                      f"(attention_impl={implementation!r}) has no sliding window; use "
+                      f"attention_impl {' or '.join(repr(k) for k in WINDOWED)} or 'einsum'")
+
+
+def fused_attention(query: Array, key: Array, value: Array, mask: AttentionMask,
+                    implementation: str, scale: float) -> Array | None:
   """The kernel's output, or None (with a warning) where it cannot run. Traced for a
   target platform (aot), a kernel that cannot run is an error: the plan would be of
-  another program."""
+  another program. The scores are Q K^T * `scale`."""
+  check_window(implementation, mask.window)
   target = platform()
   if target not in KERNEL_PLATFORMS[implementation]:
     return _cannot_run(implementation, f"the backend is {target!r}")
@@ -131,7 +144,7 @@ def fused_attention(query: Array, key: Array, value: Array, mask: "AttentionMask
     _warn_unproven("attention_impl='cudnn' on packed rows: cuDNN's packed layout has not "
                    "yet passed the GPU self-check (tests/test_kernels_gpu.py); 'einsum' is "
                    "the path measured right there")
-  kernel = _kernel(implementation, mask)
+  kernel = _kernel(implementation, mask, scale)
   try:  # The kernels check dtypes and shapes when the call is traced.
     return per_device(kernel, query, key, value, mask.query_segments, mask.key_segments)
   except UserError:
@@ -141,19 +154,20 @@ def fused_attention(query: Array, key: Array, value: Array, mask: "AttentionMask
     return _cannot_run(implementation, f"{type(e).__name__}: {str(e).strip().splitlines()[0]}")
 
 
-def _kernel(implementation: str, mask: "AttentionMask") -> Callable[..., Array]:
+def _kernel(implementation: str, mask: AttentionMask, scale: float) -> Callable[..., Array]:
   """`kernel(query, key, value, query_segments, key_segments)` of `implementation`."""
   if implementation == "splash":
-    return functools.partial(splash_attention, causal=mask.causal)
+    return functools.partial(splash_attention, causal=mask.causal, window=mask.window,
+                             scale=scale)
   if implementation == "pallas":
-    return functools.partial(pallas_attention, causal=mask.causal)
+    return functools.partial(pallas_attention, causal=mask.causal, scale=scale)
   if implementation == "cudnn_dense":
     def dense(q: Array, k: Array, v: Array, q_segments: Array, k_segments: Array) -> Array:
       local = dataclasses.replace(mask, query_segments=q_segments, key_segments=k_segments)
-      return cudnn.dense_attention(q, k, v, local.dense())   # one device's rows
+      return cudnn.dense_attention(q, k, v, local.dense(), scale)   # one device's rows
     return dense
   return functools.partial(cudnn.attention, causal=mask.causal, packed=mask.packed,
-                           max_segments=mask.max_segments)
+                           max_segments=mask.max_segments, scale=scale)
 
 
 def _cannot_run(implementation: str, reason: str) -> Array | None:
@@ -201,7 +215,8 @@ def per_device(kernel: Callable[..., Array], query: Array, key: Array, value: Ar
 
 # -------------------------------------------------------------------------------- Pallas
 def pallas_attention(query: Array, key: Array, value: Array, query_segments: Array,
-                     key_segments: Array, *, causal: bool, interpret: bool = False) -> Array:
+                     key_segments: Array, *, causal: bool, scale: float | None = None,
+                     interpret: bool = False) -> Array:
   """JAX's Pallas flash attention for GPUs (`jax.experimental.pallas.ops.gpu.attention`,
   forward and backward kernels) on self-attention rows (T == S). Its one row of segment
   ids serves queries and keys: padding (segment 0) is a segment of its own, so each padding
@@ -213,7 +228,8 @@ def pallas_attention(query: Array, key: Array, value: Array, query_segments: Arr
                      f"{query.shape[1]} and S={key.shape[1]}")
   del key_segments   # self-attention: the queries' row
   return pallas_gpu.mha(query, key, value, query_segments,
-                        sm_scale=float(1 / np.sqrt(query.shape[-1])), causal=causal,
+                        sm_scale=float(1 / np.sqrt(query.shape[-1]) if scale is None
+                                       else scale), causal=causal,
                         block_sizes=pallas_blocks(query.shape[1]), interpret=interpret)
 
 
@@ -235,31 +251,37 @@ def pallas_blocks(length: int) -> "BlockSizes":
 
 # -------------------------------------------------------------------------------- splash
 def splash_attention(query: Array, key: Array, value: Array, query_segments: Array,
-                     key_segments: Array, *, causal: bool, interpret: bool = False) -> Array:
+                     key_segments: Array, *, causal: bool, window: int = 0,
+                     scale: float | None = None, interpret: bool = False) -> Array:
   """Pallas splash attention (TPU) under `vmap` over the batch, queries pre-scaled by
-  1/sqrt(H). A padding query takes the segment of its row's first key, so that no row of
+  `scale` (default 1/sqrt(H)); a sliding `window` (0: none) as its local mask. A padding
+  query takes the segment of its row's first key, so that no row of
   the mask is empty (splash needs a visible key in every row); its output is never read."""
   from jax.experimental.pallas.ops.tpu.splash_attention import (
     splash_attention_kernel as splash,
   )
   batch, t, heads, depth = query.shape
   s = key.shape[1]
-  kernel = _splash_kernel(t, s, heads, causal, interpret)
+  kernel = _splash_kernel(t, s, heads, causal, window, interpret)
   query_segments = jnp.where(query_segments == 0, key_segments[:, :1], query_segments)
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)                          # (B, N, L, H)
-  scaled = query * jnp.asarray(1 / np.sqrt(depth), query.dtype)
+  scaled = query * jnp.asarray(1 / np.sqrt(depth) if scale is None else scale, query.dtype)
   out = jax.vmap(kernel)(heads_first(scaled), heads_first(key), heads_first(value),
                          segment_ids=splash.SegmentIds(q=query_segments, kv=key_segments))
   return heads_first(out)
 
 
 @functools.lru_cache(maxsize=None)
-def _splash_kernel(t: int, s: int, heads: int, causal: bool, interpret: bool):
+def _splash_kernel(t: int, s: int, heads: int, causal: bool, window: int, interpret: bool):
   from jax.experimental.pallas.ops.tpu.splash_attention import (
     splash_attention_kernel as splash,
   )
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
-  one = masks.CausalMask((t, s)) if causal else masks.FullMask((t, s))
+  one: masks.Mask
+  if window:   # keys fewer than `window` positions away, before (and unless causal, after)
+    one = masks.LocalMask((t, s), (window - 1, 0 if causal else window - 1), offset=0)
+  else:
+    one = masks.CausalMask((t, s)) if causal else masks.FullMask((t, s))
   bq, bkv = _block(t), _block(s)
   blocks = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv,
                              block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv,

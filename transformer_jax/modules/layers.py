@@ -11,8 +11,10 @@ import flax.linen as nn
 import jax
 
 from transformer_jax.config import TransformerConfig
-from transformer_jax.modules.attention import AttentionMask, MultiHeadAttention
+from transformer_jax.modules.attention import MultiHeadAttention
 from transformer_jax.modules.init import kernel_init
+from transformer_jax.modules.masks import AttentionMask
+from transformer_jax.modules.norms import norm
 from transformer_jax.sharding import partitioned
 
 Array = jax.Array
@@ -20,25 +22,18 @@ _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "relu": nn.relu, "gelu": nn.gelu, "swish": nn.silu, "silu": nn.silu}
 
 
-def norm(config: TransformerConfig, name: str) -> nn.Module:
-  """The config's normalisation: LayerNorm (its bias only with `use_bias`) or RMSNorm."""
-  scale_init = partitioned(nn.initializers.ones_init(), ("embed",))
-  if config.norm_type == "rms":
-    return nn.RMSNorm(epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype,
-                      param_dtype=config.params_dtype, name=name, scale_init=scale_init)
-  return nn.LayerNorm(
-      epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype,
-      param_dtype=config.params_dtype, name=name, use_bias=config.use_bias,
-      scale_init=scale_init, bias_init=partitioned(nn.initializers.zeros_init(), ("embed",)))
-
-
-def residual(x: Array, sublayer: Callable[[Array], Array], norm: nn.Module,
-             dropout: nn.Dropout, norm_position: str) -> Array:
-  """post-LN (paper): LayerNorm(x + Dropout(Sublayer(x)));
-  pre-LN: x + Dropout(Sublayer(LayerNorm(x)))."""
-  if norm_position == "pre":
-    return x + dropout(sublayer(norm(x)))
-  return norm(x + dropout(sublayer(x)))
+def residual(x: Array, sublayer: Callable[[Array], Array], config: TransformerConfig,
+             name: str, dropout: nn.Dropout) -> Array:
+  """post-LN (paper): Norm(x + Dropout(Sublayer(x)));
+  pre-LN: x + Dropout(Sublayer(Norm(x)));
+  pre-LN with `sandwich_norm` (Gemma 2 and 3): x + Dropout(Norm'(Sublayer(Norm(x)))).
+  The norms are "<name>_norm" and "<name>_output_norm"."""
+  if config.norm_position == "post":
+    return norm(config, f"{name}_norm")(x + dropout(sublayer(x)))
+  out = sublayer(norm(config, f"{name}_norm")(x))
+  if config.sandwich_norm:
+    out = norm(config, f"{name}_output_norm")(out)
+  return x + dropout(out)
 
 
 class FeedForward(nn.Module):
@@ -69,29 +64,32 @@ class FeedForward(nn.Module):
 
 class EncoderLayer(nn.Module):
   """Self-attention then feed-forward, each wrapped in a residual connection. `positions`
-  (B, T) place the queries and keys (used by rotary positions)."""
+  (B, T) place the queries and keys (used by rotary positions). `sliding`: the layer's
+  self-attention sees a window of config.sliding_window keys (config.layer_sliding)."""
 
   config: TransformerConfig
+  sliding: bool = False
 
   @nn.compact
   def __call__(self, x: Array, mask: AttentionMask | None, positions: Array | None = None,
                *, train: bool = False) -> Array:
     cfg = self.config
     dropout = nn.Dropout(cfg.dropout_rate, deterministic=not train)
-    attention = MultiHeadAttention(cfg, "self", name="self_attention")
+    attention = MultiHeadAttention(cfg, "self", self.sliding, name="self_attention")
     ffn = FeedForward(cfg, name="feed_forward")
     x = residual(x, lambda h: attention(h, None, mask, positions=positions, train=train),
-                 norm(cfg, "self_attention_norm"), dropout, cfg.norm_position)
-    return residual(x, lambda h: ffn(h, train=train),
-                    norm(cfg, "feed_forward_norm"), dropout, cfg.norm_position)
+                 cfg, "self_attention", dropout)
+    return residual(x, lambda h: ffn(h, train=train), cfg, "feed_forward", dropout)
 
 
 class DecoderLayer(nn.Module):
   """Masked self-attention, cross-attention over the encoder output (unless
-  `cross_attention` is False: a language model's layer), feed-forward."""
+  `cross_attention` is False: a language model's layer), feed-forward. `sliding`: the
+  self-attention sees a window of config.sliding_window keys (config.layer_sliding)."""
 
   config: TransformerConfig
   cross_attention: bool = True
+  sliding: bool = False
 
   @nn.compact
   def __call__(self, y: Array, encoded: Array | None, self_mask: AttentionMask | None,
@@ -99,15 +97,14 @@ class DecoderLayer(nn.Module):
                train: bool = False, decode: bool = False) -> Array:
     cfg = self.config
     dropout = nn.Dropout(cfg.dropout_rate, deterministic=not train)
-    self_attention = MultiHeadAttention(cfg, "self", name="self_attention")
+    self_attention = MultiHeadAttention(cfg, "self", self.sliding, name="self_attention")
     ffn = FeedForward(cfg, name="feed_forward")
     y = residual(y, lambda h: self_attention(h, None, self_mask, positions=positions,
                                              train=train, decode=decode),
-                 norm(cfg, "self_attention_norm"), dropout, cfg.norm_position)
+                 cfg, "self_attention", dropout)
     if self.cross_attention:
       cross_attention = MultiHeadAttention(cfg, "cross", name="cross_attention")
       y = residual(y, lambda h: cross_attention(h, encoded, cross_mask, train=train,
                                                 decode=decode),
-                   norm(cfg, "cross_attention_norm"), dropout, cfg.norm_position)
-    return residual(y, lambda h: ffn(h, train=train),
-                    norm(cfg, "feed_forward_norm"), dropout, cfg.norm_position)
+                   cfg, "cross_attention", dropout)
+    return residual(y, lambda h: ffn(h, train=train), cfg, "feed_forward", dropout)

@@ -21,10 +21,11 @@ from transformer_jax.config import (
   PAD_ID,
   TransformerConfig,
 )
-from transformer_jax.modules.attention import AttentionMask
 from transformer_jax.modules.embedding import InputEmbedding, tied_projection, token_embedding
 from transformer_jax.modules.init import kernel_init
-from transformer_jax.modules.layers import DecoderLayer, EncoderLayer, norm
+from transformer_jax.modules.layers import DecoderLayer, EncoderLayer
+from transformer_jax.modules.masks import AttentionMask
+from transformer_jax.modules.norms import norm
 from transformer_jax.sharding import constrain_to_batch, partitioned
 
 Array = jax.Array
@@ -42,14 +43,16 @@ REMAT_POLICIES = {
 }
 
 
-def apply_layers(cfg: TransformerConfig, make_layer: Callable[[str], nn.Module],
+def apply_layers(cfg: TransformerConfig, make_layer: Callable[[str, int], nn.Module],
                  num_layers: int, x: Array, *args: Any, remat: bool = True,
                  **static_kwargs: Any) -> Array:
-  """x -> layer_{n-1}(...layer_0(x, *args)...), each layer called with **static_kwargs.
+  """x -> layer_{n-1}(...layer_0(x, *args)...), each layer called with **static_kwargs;
+  `make_layer(name, index)` builds layer `index`.
 
   Unrolled, the layers are submodules "layer_0", "layer_1", ...; with `cfg.scan_layers` one
-  `nn.scan` runs a single submodule "layers" whose parameters (and decoding cache) carry a
-  leading axis of size num_layers, named "layers" for sharding. `cfg.remat_policy` wraps
+  `nn.scan` runs a single submodule "layers" (made as layer 0: the config keeps scanned
+  layers alike) whose parameters (and decoding cache) carry a leading axis of size
+  num_layers, named "layers" for sharding. `cfg.remat_policy` wraps
   each layer in `nn.remat` (pass remat=False where no gradient is taken, e.g. decoding).
   """
   def body(layer: nn.Module, carry: Array, *xs: Any) -> tuple[Array, None]:
@@ -66,9 +69,9 @@ def apply_layers(cfg: TransformerConfig, make_layer: Callable[[str], nn.Module],
     scanned = nn.scan(body, variable_axes={"params": 0, "cache": 0, "intermediates": 0},
                       split_rngs={"params": True, "dropout": True}, in_axes=nn.broadcast,
                       length=num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-    return scanned(make_layer("layers"), x, *args)[0]
+    return scanned(make_layer("layers", 0), x, *args)[0]
   for i in range(num_layers):
-    x = body(make_layer(f"layer_{i}"), x, *args)[0]
+    x = body(make_layer(f"layer_{i}", i), x, *args)[0]
   return x
 
 
@@ -92,8 +95,8 @@ class Encoder(nn.Module):
       positions = default_positions(tokens)
     x = InputEmbedding(cfg, embedding, name="input_embedding")(tokens, positions,
                                                                 features=features, train=train)
-    x = apply_layers(cfg, lambda name: EncoderLayer(cfg, name=name), cfg.num_encoder_layers,
-                     x, mask, positions, train=train)
+    layer = lambda name, i: EncoderLayer(cfg, cfg.layer_sliding(i), name=name)
+    x = apply_layers(cfg, layer, cfg.num_encoder_layers, x, mask, positions, train=train)
     if cfg.norm_position == "pre":
       x = norm(cfg, "final_norm")(x)
     return x
@@ -147,7 +150,8 @@ class Decoder(nn.Module):
     embedded = jnp.where(tgt_tokens == BOS_ID, EOS_ID, tgt_tokens) if cfg.bos_is_eos else tgt_tokens
     y = InputEmbedding(cfg, embedding, name="input_embedding")(embedded, tgt_positions,
                                                                 zero_token=start, train=train)
-    layer = lambda name: DecoderLayer(cfg, self.cross_attention, name=name)
+    layer = lambda name, i: DecoderLayer(cfg, self.cross_attention, cfg.layer_sliding(i),
+                                         name=name)
     y = apply_layers(cfg, layer, cfg.num_decoder_layers, y, encoded, self_mask, cross_mask,
                      tgt_positions, remat=not decode, train=train, decode=decode)
     if cfg.norm_position == "pre":

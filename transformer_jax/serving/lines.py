@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from transformer_jax import bio
-from transformer_jax.config import PAD_ID
+from transformer_jax.config import EOS_ID, PAD_ID
 from transformer_jax.data.tokenizer import (
   TARGET_VOCAB_FILE,
   VOCAB_FILE,
@@ -75,7 +75,8 @@ def _token_ids(served: "Served", out: Sequence[np.ndarray], lengths: Sequence[in
 
 def _continuation(served: "Served", out: Sequence[np.ndarray],
                   lengths: Sequence[int]) -> list[str]:
-  return [escape_line(served.tokenizer.decode(strip_special(row))) for row in out]
+  return [escape_line(served.tokenizer.decode(strip_special(row, served.end_ids)))
+          for row in out]
 
 
 def _class_scores(served: "Served", out: Sequence[np.ndarray],
@@ -115,6 +116,9 @@ class Served:
     self.streaming = streaming   # a language model's programs for /v1/completions, if any
     self.max_len = int(manifest["max_len"])
     self.decode = manifest["decode"]
+    special = manifest.get("special_ids", {})
+    # The ids that end a text (older artifacts name EOS alone).
+    self.end_ids: tuple[int, ...] = tuple(special.get("end", [special.get("eos", EOS_ID)]))
     self.buckets = bucket_lengths(self.max_len)
     self.labels: list[str] | None = manifest.get("labels")
     if manifest["output"] not in ("token_ids", "continuation") and not self.labels:

@@ -163,9 +163,9 @@ class StreamBatcher:
   """Decodes the choices of concurrent completions in one batch of `batch.slots` rows (see
   the module doc). `start=False` runs no thread: the caller calls `run_once` (tests)."""
 
-  def __init__(self, batch: DecodingBatch, decode: Decode, eos: int,
+  def __init__(self, batch: DecodingBatch, decode: Decode, end_ids: Sequence[int],
                metrics: ServerMetrics | None = None, start: bool = True):
-    self.batch, self.decode, self.eos = batch, decode, eos
+    self.batch, self.decode, self.end_ids = batch, decode, tuple(end_ids)
     self.max_len = batch.programs.max_len
     self.buckets = batch.lengths        # prompt widths and windows: the cache's lengths
     self.metrics = metrics or ServerMetrics()
@@ -287,7 +287,7 @@ class StreamBatcher:
     choice.last, choice.last_at = token, now
     self.metrics.completion_tokens.inc()
     reason: str | None
-    if token == self.eos:
+    if token in self.end_ids:
       text, reason = choice.text.finish(), "stop"
     else:
       text, stopped = choice.text.add(token)

@@ -177,7 +177,8 @@ class LanguageModelTask(TokenPredictingTask):
       rows[b, :len(prompt)] = prompt
     run = sampling.compiled_generate(self.model_config, decode.max_new_tokens)
     out = run(params, rows, decode.temperature, decode.top_k, decode.top_p, decode.seed)
-    return [self.tokenizer.decode(t) for t in sampling.continuations(out)]
+    return [self.tokenizer.decode(t)
+            for t in sampling.continuations(out, self.model_config.end_ids)]
 
   def predict(self, params: Any, batch: Mapping[str, np.ndarray],
               decode: DecodeOptions) -> list[str]:
