@@ -1,14 +1,16 @@
-"""Greedy generation speed against transformers' `generate` on this CPU, with the KV cache: a
-GPT-2-small-shaped and a TinyLlama-shaped model with random weights, the same weights on
-both sides (the transformers model's state_dict through the converter, convert/gpt2.py and
-convert/llama.py), new tokens per second at each batch size, and the time to the first
-token.
+"""Greedy generation speed against transformers' `generate` on this CPU, with the KV cache:
+models of GPT-2 small's, TinyLlama's, Qwen2.5-0.5B's and Llama-3.2-1B's shapes (and a toy
+GPT-2, "tiny") with random weights, the same weights on both sides (the transformers
+model's state_dict through the converter: convert/gpt2.py, convert/llama.py's FAMILY,
+convert/qwen.py's FAMILY_QWEN2), new tokens per second at each batch size, and the time to
+the first token.
 
-  python -m benchmarks.generate_speed [--models=gpt2,tinyllama] [--batches=1,16]
-      [--prompt=64] [--new=256] [--steps=2] [--json]
+  python -m benchmarks.generate_speed [--models=gpt2,tinyllama,qwen2.5-0.5b,llama3.2-1b]
+      [--batches=1,16] [--prompt=64] [--new=256] [--steps=2] [--json]
 
-Each row's prompts are --prompt random token ids (Llama's begin with <s>, as its tokenizer
-adds it), continued by --new tokens: transformers with `model.generate(input_ids,
+Each row's prompts are --prompt random token ids, none special (TinyLlama's begin with <s>
+and Llama 3.2's with <|begin_of_text|>, as their tokenizers add them; Qwen's and GPT-2's
+add none), continued by --new tokens: transformers with `model.generate(input_ids,
 attention_mask, do_sample=False)` (its DynamicCache; told not to stop at an end token), ours
 with `sampling.compiled_generate` at temperature 0 (what predict runs; it stops a row at EOS
 and the loop once every row has: tokens/s counts the steps made). The two are timed in turns
@@ -36,7 +38,8 @@ from benchmarks import common
 from transformer_jax import errors
 
 FLAGS = flags.FLAGS
-MODELS = ("gpt2", "tinyllama", "tiny")   # tiny: GPT-2's architecture at toy size (seconds)
+# tiny: GPT-2's architecture at toy size (seconds).
+MODELS = ("gpt2", "tinyllama", "qwen2.5-0.5b", "llama3.2-1b", "tiny")
 
 
 def define_flags() -> None:
@@ -87,29 +90,77 @@ def gpt2_small(config: Any = None) -> tuple[Any, Any, Any, Any]:
   return model, ours, gpt2.state_to_params(state, ours, tokenizer, "gpt2_small"), tokenizer
 
 
-def tinyllama() -> tuple[Any, Any, Any, Any]:
-  """(transformers model, our config, our params, tokenizer): TinyLlama 1.1B's shape (22
-  layers, 2,048 wide, 32 heads and 4 key/value heads, SwiGLU 5,632, 32,000 tokens, 2,048
-  positions, untied lm_head), random weights."""
+def _llama_shaped(config: Any, model_class: Any, family: Any, tokens: dict[str, tuple[int, str]],
+                  template: str | None, source: str) -> tuple[Any, Any, Any, Any]:
+  """(transformers model, our config, our params, tokenizer) of a Llama-shaped `config`
+  (`model_class`'s, converted with `family`, a convert.hf_lm.Family), random weights; its
+  tokenizer's special tokens are `tokens` ({"eos_token": (id, piece), ...}), and `template`
+  (e.g. "<s> $A") adds a BOS before each text."""
   import torch
+
+  from transformer_jax.data.hf_tokenizer import HFTokenizer
+  torch.manual_seed(0)
+  model = model_class(config).eval()
+  specials = {i: piece for i, piece in tokens.values()}
+  tokenizer = HFTokenizer(_word_level_tokenizer(config.vocab_size, specials, template),
+                          {name: piece for name, (_, piece) in tokens.items()})
+  hf = {**config.to_dict(), "model_type": config.model_type}
+  ours = family.config_from_hf(hf, tokenizer, source)
+  state = {k: v.numpy() for k, v in model.state_dict().items()}
+  return model, ours, family.state_to_params(state, ours, tokenizer, source), tokenizer
+
+
+def tinyllama() -> tuple[Any, Any, Any, Any]:
+  """TinyLlama 1.1B's shape (22 layers, 2,048 wide, 32 heads and 4 key/value heads, SwiGLU
+  5,632, 32,000 tokens, 2,048 positions, untied lm_head; <s> before each text)."""
   import transformers
 
   from transformer_jax.convert import llama
-  from transformer_jax.data.hf_tokenizer import HFTokenizer
   config = transformers.LlamaConfig(
       vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
       num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
       eos_token_id=2)
-  torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(config).eval()
-  specials = {0: "<unk>", 1: "<s>", 2: "</s>"}
-  tokenizer = HFTokenizer(_word_level_tokenizer(config.vocab_size, specials, "<s> $A"),
-                          {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
-  hf = {**config.to_dict(), "model_type": "llama"}
-  ours = llama.config_from_hf(hf, tokenizer, "tinyllama")
-  state = {k: v.numpy() for k, v in model.state_dict().items()}
-  return model, ours, llama.state_to_params(state, ours, tokenizer, "tinyllama"), tokenizer
+  tokens = {"unk_token": (0, "<unk>"), "bos_token": (1, "<s>"), "eos_token": (2, "</s>")}
+  return _llama_shaped(config, transformers.LlamaForCausalLM, llama.FAMILY, tokens,
+                       "<s> $A", "tinyllama")
+
+
+def qwen25_05b() -> tuple[Any, Any, Any, Any]:
+  """Qwen2.5-0.5B's shape (24 layers, 896 wide, 14 heads and 2 key/value heads, q/k/v
+  biases, SwiGLU 4,864, 151,936 tokens, 32,768 positions, rope_theta 1e6, tied lm_head; no
+  BOS, <|endoftext|> its EOS)."""
+  import transformers
+
+  from transformer_jax.convert import qwen
+  config = transformers.Qwen2Config(
+      vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+      rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+      bos_token_id=151643, eos_token_id=151643)
+  return _llama_shaped(config, transformers.Qwen2ForCausalLM, qwen.FAMILY_QWEN2,
+                       {"eos_token": (151643, "<|endoftext|>")}, None, "qwen2.5-0.5b")
+
+
+def llama32_1b() -> tuple[Any, Any, Any, Any]:
+  """Llama-3.2-1B's shape (16 layers, 2,048 wide, 32 heads of 64 and 8 key/value heads,
+  SwiGLU 8,192, 128,256 tokens, 131,072 positions, "llama3" rope scaling, tied lm_head;
+  <|begin_of_text|> before each text)."""
+  import transformers
+
+  from transformer_jax.convert import llama
+  rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+  config = transformers.LlamaConfig(
+      vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+      num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+      max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=rope,
+      tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001)
+  tokens = {"bos_token": (128000, "<|begin_of_text|>"),
+            "eos_token": (128001, "<|end_of_text|>")}
+  return _llama_shaped(config, transformers.LlamaForCausalLM, llama.FAMILY, tokens,
+                       "<|begin_of_text|> $A", "llama3.2-1b")
 
 
 def tiny() -> tuple[Any, Any, Any, Any]:
@@ -121,17 +172,22 @@ def tiny() -> tuple[Any, Any, Any, Any]:
 
 
 BUILDERS: dict[str, Callable[[], tuple[Any, Any, Any, Any]]] = {
-    "gpt2": gpt2_small, "tinyllama": tinyllama, "tiny": tiny}
-TITLES = {"gpt2": "GPT-2 small (124M)", "tinyllama": "TinyLlama (1.1B)", "tiny": "tiny GPT-2"}
+    "gpt2": gpt2_small, "tinyllama": tinyllama, "qwen2.5-0.5b": qwen25_05b,
+    "llama3.2-1b": llama32_1b, "tiny": tiny}
+TITLES = {"gpt2": "GPT-2 small (124M)", "tinyllama": "TinyLlama (1.1B)",
+          "qwen2.5-0.5b": "Qwen2.5-0.5B", "llama3.2-1b": "Llama-3.2-1B", "tiny": "tiny GPT-2"}
 
 
 # ------------------------------------------------------------------------------ timing
 def _prompts(tokenizer: Any, rows: int, length: int, seed: int) -> Any:
-  """(rows, length) of their ids: random tokens that are not special, after BOS where the
-  tokenizer adds it."""
+  """(rows, length) of their ids: random tokens that are not special (BOS, EOS, UNK, wherever
+  their ids are), after BOS where the tokenizer adds it (Llama's; Qwen's and GPT-2's add
+  none)."""
   import numpy as np
-  first = 3 if tokenizer.add_bos else 0
-  ids = np.random.default_rng(seed).integers(first, tokenizer.size - 1, (rows, length))
+
+  from transformer_jax.data.hf_tokenizer import FIRST_TOKEN
+  plain = np.flatnonzero(tokenizer.to_ours(np.arange(tokenizer.size)) >= FIRST_TOKEN)
+  ids = plain[np.random.default_rng(seed).integers(0, len(plain), (rows, length))]
   if tokenizer.add_bos:
     ids[:, 0] = tokenizer.bos_id
   return ids
