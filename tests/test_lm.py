@@ -38,6 +38,14 @@ def lm_config(**overrides) -> TransformerConfig:
 
 MODERN = dict(positional="rotary", norm_type="rms", gated_ffn=True, activation="silu",
               num_kv_heads=2, use_bias=False)
+# Gemma 3's options at toy size (alternating windows, each layer type's rope), and Qwen2's
+# with Llama 3.1's rope scaling and a window (tests/test_lm_options.py).
+GEMMA = dict(MODERN, norm_type="rms_plus_one", sandwich_norm=True, qk_norm=True,
+             scale_embeddings=True, activation="gelu", head_size=16, attention_scale=0.2,
+             sliding_window=3, layer_types=("sliding", "full"), local_rope_theta=100.0,
+             rope_scaling="linear", rope_scaling_factor=4.0)
+QWEN = dict(MODERN, qkv_bias=True, rope_scaling="llama3", rope_scaling_factor=8.0,
+            rope_original_max_len=8, sliding_window=4)
 
 
 def _params(cfg: TransformerConfig, seed: int = 0):
@@ -72,7 +80,8 @@ def test_language_model_is_causal(options):
   assert not np.allclose(a[:, 6:], b[:, 6:], atol=1e-3)
 
 
-@pytest.mark.parametrize("options", [{}, MODERN], ids=["gpt", "modern"])
+@pytest.mark.parametrize("options", [{}, MODERN, GEMMA, QWEN],
+                         ids=["gpt", "modern", "gemma", "qwen"])
 def test_packed_documents_equal_each_alone(options):
   cfg = lm_config(**options)
   params, model = _params(cfg), LanguageModel(cfg)

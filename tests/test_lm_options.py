@@ -1,7 +1,7 @@
 """The options today's open language models brought (TransformerConfig: sliding windows and
 layer types, rope scaling, q/k norms, head_size, qkv biases, Gemma's 1 + w norms and four
 norms a layer, the attention scale), each by a property: a window hides exactly the keys it
-should, in training masks, packed rows, the KV cache, splash attention; scaled rotary
+should, in training masks, the KV cache, splash attention (packed rows: test_lm.py); scaled rotary
 frequencies are where Llama 3.1 puts them; the options train from scratch. Against
 transformers: tests/test_convert_families.py."""
 
@@ -16,7 +16,9 @@ import pytest
 from conftest import assert_close
 from test_kernels import assert_paths_agree
 from test_lm import (  # noqa: F401, F811  (lm_data: a fixture)
+  GEMMA,
   MODERN,
+  QWEN,
   VOCAB,
   _losses,
   _params,
@@ -33,15 +35,6 @@ from transformer_jax.modules.attention import dot_product_attention
 from transformer_jax.modules.embedding import rotary_frequencies
 from transformer_jax.modules.models import LanguageModel
 from transformer_jax.sampling import compiled_generate
-
-# Gemma 3's options, at toy size: alternating windows, each layer type's rope.
-GEMMA = dict(MODERN, norm_type="rms_plus_one", sandwich_norm=True, qk_norm=True,
-             scale_embeddings=True, activation="gelu", head_size=16, attention_scale=0.2,
-             sliding_window=3, layer_types=("sliding", "full"), local_rope_theta=100.0,
-             rope_scaling="linear", rope_scaling_factor=4.0)
-QWEN = dict(MODERN, qkv_bias=True, rope_scaling="llama3", rope_scaling_factor=8.0,
-            rope_original_max_len=8, sliding_window=4)
-
 
 def _changed_at(tokens: np.ndarray, position: int) -> np.ndarray:
   changed = tokens.copy()
@@ -82,19 +75,6 @@ def test_full_layers_of_a_mixed_stack_see_every_key():
                atol=1e-6)
   assert not np.allclose(out[:, 9], LanguageModel(sliding).apply(
       {"params": params}, _changed_at(tokens, 5))[:, 9], atol=1e-4)
-
-
-@pytest.mark.parametrize("options", [GEMMA, QWEN], ids=["gemma", "qwen"])
-def test_packed_documents_equal_each_alone(options):
-  cfg = lm_config(**options)
-  params, model = _params(cfg), LanguageModel(cfg)
-  first, second = _tokens(3, 1, 6), _tokens(4, 1, 8)
-  row = np.concatenate([first, second, np.zeros((1, 2), np.int32)], 1)
-  positions = np.array([list(range(6)) + list(range(8)) + [0, 0]], np.int32)
-  segments = np.array([[1] * 6 + [2] * 8 + [0, 0]], np.int32)
-  packed = model.apply({"params": params}, row, positions=positions, segment_ids=segments)
-  assert_close(packed[:, :6], model.apply({"params": params}, first), atol=1e-5)
-  assert_close(packed[:, 6:14], model.apply({"params": params}, second), atol=1e-5)
 
 
 @pytest.mark.parametrize("options", [GEMMA, QWEN], ids=["gemma", "qwen"])
