@@ -36,6 +36,7 @@ from transformer_jax.modules.embedding import rotary_frequencies
 from transformer_jax.modules.models import LanguageModel
 from transformer_jax.sampling import compiled_generate
 
+
 def _changed_at(tokens: np.ndarray, position: int) -> np.ndarray:
   changed = tokens.copy()
   changed[:, position] = 4 + (changed[:, position] - 3) % (VOCAB - 4)
