@@ -7,12 +7,15 @@ here on Shakespeare and the special tokens of the family:
   output, generation_config.json sampling at temperature 0.6, top_p 0.9;
 - "mistral" (Mistral 7B v0.1's): a sliding window of 8 keys over every layer, untied;
 - "qwen2" (Qwen2.5's): biases on q, k, v, no BOS, eos <|im_end|> and <|endoftext|>, tied,
-  generation_config.json sampling at 0.7, top_p 0.8, top_k 20, as Qwen2.5-Instruct's;
+  generation_config.json sampling at 0.7, top_p 0.8, top_k 20, as Qwen2.5-Instruct's; its
+  embedding padded past the tokenizer by 8 zero rows, as Qwen pads its vocab_size;
 - "qwen3" (Qwen3's): q/k RMSNorms, head_dim 16 with 4 heads over a width of 32;
 - "gemma3" (Gemma 3's text model): (1 + w) norms, four a layer, q/k norms, sqrt(d) embeddings,
   GELU-tanh, query_pre_attn_scalar 24, layer_types sliding, sliding, full with windows of 6,
   the full layers' rope linearly scaled by 4, the sliding ones' base 10,000, eos <eos> and
-  <end_of_turn>.
+  <end_of_turn>; its tokenizer's last token (<image_soft_token>) past the embedding's rows,
+  and no tie_word_embeddings in config.json (tied by Gemma's default), as Gemma 3 1B's
+  files are.
 
 Every weight is random, the norms' too, and away from their start (1, or 0 for Gemma's
 1 + w), so a misplaced offset shows. Lengths of 40 tokens pass every window and the
@@ -35,12 +38,14 @@ _TOKENS = {
               ["<|endoftext|>"]),
     "qwen3": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>",
               ["<|endoftext|>"]),
-    "gemma3": (["<pad>", "<eos>", "<bos>", "<unk>", "<end_of_turn>"], "<bos>", "<eos>",
-               ["<end_of_turn>"]),
+    "gemma3": (["<pad>", "<eos>", "<bos>", "<unk>", "<end_of_turn>", "<image_soft_token>"],
+               "<bos>", "<eos>", ["<end_of_turn>"]),
 }
 _GENERATION = {"llama3": {"do_sample": True, "temperature": 0.6, "top_p": 0.9},
                "qwen2": {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}}
 MAX_LEN = 64
+# Embedding rows beyond (Qwen) or short of (Gemma 3 1B) the tokenizer's tokens.
+EXTRA_ROWS = {"qwen2": 8, "gemma3": -1}
 
 
 def _tokenizer(directory: str, family: str, size: int = 400):
@@ -72,7 +77,7 @@ def _config(family: str, tokenizer):
   import transformers
   _, _, eos, more = _TOKENS[family]
   ends = [tokenizer.convert_tokens_to_ids(t) for t in [eos, *more]]
-  shared = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=72,
+  shared = dict(vocab_size=len(tokenizer) + EXTRA_ROWS.get(family, 0), hidden_size=32, intermediate_size=72,
                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=MAX_LEN, rms_norm_eps=1e-5,
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=ends if more else ends[0])
@@ -115,9 +120,18 @@ def write_family_dir(directory: str, family: str, dtype=None, **save_options):
   with torch.no_grad():   # every tensor random, the norms' weights too
     for name, p in model.named_parameters():
       p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    if EXTRA_ROWS.get(family, 0) > 0:   # padding rows, never a token's
+      model.get_input_embeddings().weight[len(tokenizer):] = 0
   if dtype is not None:
     model = model.to(dtype)
   model.save_pretrained(directory, **save_options)
+  if family == "gemma3":   # as Gemma 3's published config.json: tied by Gemma's default
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+      config = json.load(f)
+    config.pop("tie_word_embeddings", None)
+    with open(path, "w") as f:
+      json.dump(config, f)
   if family in _GENERATION:
     path = os.path.join(directory, "generation_config.json")
     with open(path) as f:

@@ -89,8 +89,10 @@ class TransformerConfig:
       text's tokens, PAD, BOS and UNK (ids such a vocabulary lacks) getting the logit
       NO_TOKEN_LOGIT, so training never moves their rows. Set by convert --from=hf_gpt2.
     absent_ids: which of PAD, BOS and UNK an imported vocabulary has no token for (Llama's
-      has no PAD, Llama 3's no UNK either): the output scores them NO_TOKEN_LOGIT, as
-      bos_is_eos does all three, so the softmax over the real tokens is the source's.
+      has no PAD, Llama 3's no UNK either), and the tokens an import's checkpoint has no
+      embedding row for (Gemma 3 1B's tokenizer ends with an image token past its rows):
+      the output scores them NO_TOKEN_LOGIT, as bos_is_eos does PAD, BOS and UNK, so the
+      softmax over the real tokens is the source's.
     attention_impl: "einsum" (explicit; the only path that can return attention weights
       or apply attention dropout), "xla" (jax.nn.dot_product_attention with a dense mask),
       the fused kernels (modules/kernels.py) "pallas" (NVIDIA GPUs, self-attention),
@@ -250,7 +252,9 @@ class TransformerConfig:
   @property
   def no_token_ids(self) -> tuple[int, ...]:
     """The ids the output never scores (absent_ids; PAD, BOS and UNK under bos_is_eos)."""
-    return (PAD_ID, BOS_ID, UNK_ID) if self.bos_is_eos else self.absent_ids
+    if self.bos_is_eos:
+      return tuple(sorted({PAD_ID, BOS_ID, UNK_ID, *self.absent_ids}))
+    return self.absent_ids
 
   @property
   def compute_dtype(self) -> Any:
@@ -294,9 +298,12 @@ class TransformerConfig:
     for field in ("absent_ids", "layer_types", "end_ids"):
       if isinstance(getattr(self, field), list):   # as JSON gives it back
         object.__setattr__(self, field, tuple(getattr(self, field)))
-    if (not isinstance(self.absent_ids, tuple)
-        or not set(self.absent_ids) <= {PAD_ID, BOS_ID, UNK_ID}):
-      fail("absent_ids", f"must be a tuple of PAD {PAD_ID}, BOS {BOS_ID} and UNK {UNK_ID}")
+    if not isinstance(self.absent_ids, tuple) or any(
+        not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.tgt_vocab_size
+        or i == EOS_ID for i in self.absent_ids):
+      fail("absent_ids", f"must be a tuple of ids of the vocabulary other than EOS {EOS_ID} "
+           f"(PAD {PAD_ID}, BOS {BOS_ID}, UNK {UNK_ID}, or an import's tokens its checkpoint "
+           "has no row for)")
     for field, choices in _CHOICES.items():
       if getattr(self, field) not in choices:
         fail(field, f"must be one of {choices}")

@@ -64,5 +64,9 @@ def _hf_options(cfg: TransformerConfig) -> dict[str, Any]:
 GEMMA3 = Shape("gemma3_text", "Gemma3ForCausalLM", "Gemma 3",
                tuple((field, _GEMMA.get(field, value)) for field, value in LLAMA_SHAPE
                      if field not in ("attention_scale", "layer_types", "local_rope_theta")),
-               must_be={"attention_bias": False}, options=_options, hf_options=_hf_options)
+               must_be={"attention_bias": False}, options=_options, hf_options=_hf_options,
+               # Gemma3TextConfig's own, which Gemma 3's published files leave out.
+               defaults={"tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
+                         "head_dim": 256, "rms_norm_eps": 1e-6, "sliding_window": 4096,
+                         "max_position_embeddings": 131072})
 FAMILY = family(GEMMA3)

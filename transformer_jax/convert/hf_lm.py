@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from transformer_jax.config import EOS_ID, TransformerConfig
+from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TransformerConfig
 from transformer_jax.convert.files import Imported, OurModel, read_json, write_json
 from transformer_jax.convert.hf import need_file, optional_json, read_weights, write_weights
 from transformer_jax.convert.tensors import ConvertError, check_shape
@@ -85,13 +85,16 @@ class Family:
     return ""
 
 
-def check_vocabulary(hf: dict, tokenizer: HFTokenizer, source: str) -> None:
-  """config.json's vocab_size, and bos_token_id where the tokenizer adds one, must be the
-  tokenizer's; its eos_token_id
+def check_vocabulary(hf: dict, tokenizer: HFTokenizer, source: str,
+                     other_rows: bool = False) -> None:
+  """config.json's vocab_size (unless `other_rows`: a family whose embedding may be padded
+  past the tokenizer, as Qwen's is, or end before its last tokens, as Gemma 3 1B's does),
+  and bos_token_id where the tokenizer adds one, must be the tokenizer's; its eos_token_id
   (one id or a list: the ids that end a text) must hold the tokenizer's eos_token, which
   ends the texts this project trains on."""
-  if hf.get("vocab_size") != tokenizer.size:
-    raise ConvertError(f"{source}: vocab_size={hf.get('vocab_size')}, but the tokenizer has "
+  rows = hf.get("vocab_size")
+  if rows != tokenizer.size and not (other_rows and isinstance(rows, int) and rows > 0):
+    raise ConvertError(f"{source}: vocab_size={rows}, but the tokenizer has "
                        f"{tokenizer.size} tokens")
   # A tokenizer that adds no BOS (Qwen's) never gives the model config.json's bos_token_id.
   if tokenizer.add_bos and hf.get("bos_token_id", tokenizer.bos_id) != tokenizer.bos_id:
@@ -133,16 +136,30 @@ def decode_defaults(generation: dict) -> dict[str, Any]:
 
 
 def rows_to_ours(theirs: np.ndarray, tokenizer: HFTokenizer) -> np.ndarray:
-  """Their (V, D) rows (token embeddings, an lm_head) in our ids: zero rows for the ids
-  they have no token for (never read, never scored)."""
+  """Their (rows, D) table (token embeddings, an lm_head) in our ids: zero rows for the ids
+  they have no token for, or their tokens past the table's rows (never read, never
+  scored); rows past the tokenizer's tokens (a padded table) are dropped."""
   table = np.zeros((tokenizer.vocab_size, theirs.shape[1]), np.float32)
-  table[tokenizer.to_ours(np.arange(tokenizer.size))] = theirs
+  kept = min(len(theirs), tokenizer.size)
+  table[tokenizer.to_ours(np.arange(kept))] = theirs[:kept]
   return table
 
 
-def rows_to_theirs(ours: np.ndarray, tokenizer: HFTokenizer) -> np.ndarray:
-  """Our (vocab, D) rows in their ids (the absent ids' rows dropped)."""
-  return ours[tokenizer.to_ours(np.arange(tokenizer.size))]
+def rows_to_theirs(ours: np.ndarray, tokenizer: HFTokenizer, rows: int | None = None
+                   ) -> np.ndarray:
+  """Our (vocab, D) rows in their ids, their first `rows` (default: every token's)."""
+  return ours[tokenizer.to_ours(np.arange(tokenizer.size if rows is None else rows))]
+
+
+def rowless_ids(rows: int, tokenizer: HFTokenizer) -> tuple[int, ...]:
+  """Our ids of the tokenizer's tokens past a checkpoint's `rows` embedding rows."""
+  return tuple(int(i) for i in tokenizer.to_ours(np.arange(rows, tokenizer.size)))
+
+
+def table_rows(cfg: TransformerConfig, tokenizer: HFTokenizer) -> int:
+  """How many rows the exported tables have: the tokenizer's tokens, less those past the
+  imported checkpoint's rows (absent ids beyond PAD, BOS and UNK; the last of theirs)."""
+  return tokenizer.size - len(set(cfg.absent_ids) - {PAD_ID, BOS_ID, UNK_ID})
 
 
 class StateDict:
@@ -158,6 +175,12 @@ class StateDict:
 
   def __contains__(self, key: str) -> bool:
     return key in self.state
+
+  def rows(self, key: str) -> int:
+    """The first dimension of tensor `key` (a table's rows)."""
+    if key not in self.state:
+      raise ConvertError(f"{self.source}: missing tensor {key}")
+    return int(self.state[key].shape[0])
 
   def take(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
     if key not in self.state:
@@ -187,8 +210,10 @@ def tokenizer_problem(cfg: TransformerConfig, tokenizer: Any, expected: type[HFT
   if not isinstance(tokenizer, expected):
     return (f"tokenizer kind {getattr(tokenizer, 'kind', None)!r}: {what} (an import's "
             "tokenizer)")
-  if (cfg.bos_is_eos, set(cfg.no_token_ids)) != (tokenizer.bos_is_eos,
-                                                 set(tokenizer.absent_ids)):
+  specials = {PAD_ID, BOS_ID, UNK_ID}
+  if (cfg.bos_is_eos, set(cfg.no_token_ids) & specials) != (
+      tokenizer.bos_is_eos, set(tokenizer.absent_ids) | (specials if tokenizer.bos_is_eos
+                                                         else set())):
     return (f"model.bos_is_eos={cfg.bos_is_eos} and model.absent_ids={cfg.absent_ids}, "
             f"but the tokenizer has bos_is_eos={tokenizer.bos_is_eos} and absent ids "
             f"{tokenizer.absent_ids}")

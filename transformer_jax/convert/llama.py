@@ -42,8 +42,10 @@ from transformer_jax.convert.hf_lm import (
   Family,
   StateDict,
   check_vocabulary,
+  rowless_ids,
   rows_to_ours,
   rows_to_theirs,
+  table_rows,
   tokenizer_problem,
 )
 from transformer_jax.convert.tensors import (
@@ -79,8 +81,9 @@ _LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 @dataclasses.dataclass(frozen=True)
 class Shape:
   """What a Llama-shaped family is: its model_type and class, the options it has one way
-  (`fixed`: (our field, value)), the config.json options that must keep one value, and two
-  hooks: `options(hf, source)`, our fields read from config.json beyond Llama's (its
+  (`fixed`: (our field, value)), the config.json options that must keep one value, the
+  values its configuration class gives the fields a config.json leaves out (`defaults`:
+  transformers 4 saved only what differed from them), and two hooks: `options(hf, source)`, our fields read from config.json beyond Llama's (its
   windows, its own norms), and `hf_options(cfg)`, the config.json fields it writes beyond
   Llama's."""
   model_type: str
@@ -88,6 +91,7 @@ class Shape:
   title: str
   fixed: tuple[tuple[str, Any], ...]
   must_be: dict[str, Any] = dataclasses.field(default_factory=dict)
+  defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
   options: Callable[[dict, str], dict[str, Any]] = lambda hf, source: {}
   hf_options: Callable[[TransformerConfig], dict[str, Any]] = lambda cfg: {}
 
@@ -174,13 +178,16 @@ def _head_size(hf: dict) -> int:
 
 def _config_from_hf(shape: Shape, hf: dict, tokenizer: HFTokenizer,
                     source: str) -> TransformerConfig:
-  """Our config for the family's config.json; refuses, naming it, an option we lack."""
+  """Our config for the family's config.json; refuses, naming it, an option we lack. The
+  embedding may have more rows than the tokenizer has tokens (Qwen pads it; the rows past
+  the tokens are dropped) or fewer (Gemma 3 1B: the tokens past its rows are absent)."""
+  hf = {**shape.defaults, **hf}
   if hf.get("model_type") != shape.model_type:
     raise ConvertError(f"{source}: model_type={hf.get('model_type')!r}; --from=hf_"
                        f"{shape.model_type.split('_')[0]} converts {shape.model_type!r} "
                        "(--from=hf picks the family from model_type)")
   check_options(hf, {**_MUST_BE, **shape.must_be}, source)
-  check_vocabulary(hf, tokenizer, source)
+  check_vocabulary(hf, tokenizer, source, other_rows=True)
   if tokenizer.bos_is_eos and set(tokenizer.absent_ids) != {0, 1, 3}:
     raise ConvertError(f"{source}: the tokenizer's bos_token is its eos_token but its "
                        "unk_token is a token of its own: an option this project lacks")
@@ -197,7 +204,8 @@ def _config_from_hf(shape: Shape, hf: dict, tokenizer: HFTokenizer,
       attention_dropout_rate=float(hf.get("attention_dropout", 0.0)), activation=activation,
       layer_norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
       tie_output=bool(hf.get("tie_word_embeddings", False)),
-      bos_is_eos=tokenizer.bos_is_eos, absent_ids=tokenizer.absent_ids,
+      bos_is_eos=tokenizer.bos_is_eos,
+      absent_ids=(*tokenizer.absent_ids, *rowless_ids(hf["vocab_size"], tokenizer)),
       **{**dict(shape.fixed), **rope_of(hf, source), **shape.options(hf, source)}))
 
 
@@ -205,7 +213,7 @@ def _hf_config(shape: Shape, cfg: TransformerConfig, tokenizer: HFTokenizer) -> 
   """config.json of the family's model class computing our model."""
   return {
       "architectures": [shape.architecture], "model_type": shape.model_type,
-      "vocab_size": tokenizer.size, "hidden_size": cfg.d_model,
+      "vocab_size": table_rows(cfg, tokenizer), "hidden_size": cfg.d_model,
       "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.num_decoder_layers,
       "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
       "head_dim": cfg.head_dim, "hidden_act": ACTIVATIONS[cfg.activation],
@@ -283,13 +291,18 @@ def state_to_params(state: dict[str, np.ndarray], cfg: TransformerConfig,
     else:
       value = linear_to_kernel(tensors.take(key, (size // fan_in, fan_in)), shape)
     trees.set_path(params, ours, value)
-  embedding = tensors.take("embed_tokens.weight", (tokenizer.size, cfg.d_model))
+  # The tables' rows: the tokenizer's tokens, or as config.json's vocab_size says.
+  rows = tensors.rows("embed_tokens.weight")
+  if rows < table_rows(cfg, tokenizer):
+    raise ConvertError(f"{source}: embed_tokens.weight has {rows} rows, fewer than "
+                       f"config.json's vocab_size {table_rows(cfg, tokenizer)}")
+  embedding = tensors.take("embed_tokens.weight", (rows, cfg.d_model))
   trees.set_path(params, "embedding/embedding", rows_to_ours(embedding, tokenizer))
   if cfg.tie_output:
     tensors.tied_output("lm_head.weight", "embed_tokens.weight",
                         "config.json says tie_word_embeddings=true")
   else:
-    head = tensors.take("lm_head.weight", (tokenizer.size, cfg.d_model))
+    head = tensors.take("lm_head.weight", (rows, cfg.d_model))
     trees.set_path(params, "decoder/output_projection/kernel", rows_to_ours(head, tokenizer).T)
   tensors.check_all_taken()
   return params
@@ -302,11 +315,12 @@ def params_to_state(params: dict, cfg: TransformerConfig,
   flat = {k: np.asarray(v, np.float32) for k, v in trees.flatten(params).items()}
   state = {_PREFIX + key: flat[ours].reshape(-1) if fan_in is None
            else kernel_to_linear(flat[ours], fan_in) for ours, key, fan_in in _names(cfg)}
+  rows = table_rows(cfg, tokenizer)
   state[_PREFIX + "embed_tokens.weight"] = rows_to_theirs(flat["embedding/embedding"],
-                                                          tokenizer)
+                                                          tokenizer, rows)
   if not cfg.tie_output:
     state["lm_head.weight"] = rows_to_theirs(flat["decoder/output_projection/kernel"].T,
-                                             tokenizer)
+                                             tokenizer, rows)
   return {k: np.ascontiguousarray(v) for k, v in state.items()}
 
 
