@@ -164,8 +164,8 @@ def test_layer_norm_epsilon_must_be_positive(value):
   _raises_naming("layer_norm_epsilon", layer_norm_epsilon=value)
 
 
-@pytest.mark.parametrize("value", [(2,), (4,), "0", 0])
-def test_absent_ids_are_pad_bos_or_unk(value):
+@pytest.mark.parametrize("value", [(2,), (V,), (-1,), "0", 0])
+def test_absent_ids_are_ids_of_the_vocabulary_but_eos(value):
   _raises_naming("absent_ids", absent_ids=value)
 
 

@@ -283,7 +283,7 @@ def test_the_export_command_needs_checkpoints_only_for_orbax_or_a_selection(llam
     ({"mlp_bias": True}, "mlp_bias=True"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is an option this project"),
     ({"eos_token_id": [7, 8]}, "eos_token_id=[7, 8] does not hold the tokenizer's"),
-    ({"vocab_size": 500}, "vocab_size=500, but the tokenizer has"),
+    ({"vocab_size": 300}, "rows, but config.json's vocab_size is 300"),
     ({"model_type": "qwen2"}, "model_type='qwen2'"),
 ], ids=["yarn_rope", "dynamic_rope", "sliding_window", "attention_bias", "mlp_bias",
         "partial_rotary", "eos_list", "vocab_size", "model_type"])

@@ -292,10 +292,10 @@ def state_to_params(state: dict[str, np.ndarray], cfg: TransformerConfig,
       value = linear_to_kernel(tensors.take(key, (size // fan_in, fan_in)), shape)
     trees.set_path(params, ours, value)
   # The tables' rows: the tokenizer's tokens, or as config.json's vocab_size says.
-  rows = tensors.rows("embed_tokens.weight")
-  if rows < table_rows(cfg, tokenizer):
-    raise ConvertError(f"{source}: embed_tokens.weight has {rows} rows, fewer than "
-                       f"config.json's vocab_size {table_rows(cfg, tokenizer)}")
+  rows, expected = tensors.rows("embed_tokens.weight"), table_rows(cfg, tokenizer)
+  if rows < expected or (expected < tokenizer.size and rows != expected):
+    raise ConvertError(f"{source}: embed_tokens.weight has {rows} rows, but config.json's "
+                       f"vocab_size is {expected}")
   embedding = tensors.take("embed_tokens.weight", (rows, cfg.d_model))
   trees.set_path(params, "embedding/embedding", rows_to_ours(embedding, tokenizer))
   if cfg.tie_output:
