@@ -204,3 +204,14 @@ def test_the_options_train_from_scratch(lm_data, tmp_path):  # noqa: F811
   with open(os.path.join(workdir, "config.json")) as f:
     model = json.load(f)["model"]
   assert (model["layer_types"], model["sliding_window"]) == (["sliding", "full"], 3)
+
+
+def test_a_window_with_a_kernel_without_one_is_refused_before_any_data_is_read():
+  from configs import default
+  from transformer_jax.training.experiment import Experiment
+  config = default.get_config()
+  config.model.update(dict(attention_impl="pallas", sliding_window=8))
+  config.data.source = "local"
+  config.data.dir = "/nonexistent"     # never read: the refusal comes first
+  with pytest.raises(UserError, match=r"model.sliding_window=8: the pallas kernel"):
+    Experiment.create(config, data=False, vocab_sizes=(40, None))

@@ -235,6 +235,10 @@ class Experiment:
     check_packed_kernel(
         options.model.get("attention_impl", defaults["attention_impl"].default),
         segments_per_row(options.data, task_cls), mesh.devices.flat[0].platform)
+    kernels.check_window(
+        options.model.get("attention_impl", defaults["attention_impl"].default),
+        options.model.get("sliding_window", defaults["sliding_window"].default),
+        on=mesh.devices.flat[0].platform)
     pretrained = _pretrained(train, task_cls)
     source = None
     if data:
