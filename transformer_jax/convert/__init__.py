@@ -1,5 +1,8 @@
-"""Checkpoints in and out: Hugging Face MarianMT (OPUS-MT), GPT-2 and Llama,
-torch.nn.Transformer.
+"""Checkpoints in and out: Hugging Face MarianMT (OPUS-MT), GPT-2, and the causal LMs of
+Llama's shape (Llama 3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 3), torch.nn.Transformer.
+
+  python -m transformer_jax.convert --from=hf --input=DIR|HUB_NAME --workdir=W
+  python -m transformer_jax.convert --to=hf --workdir=W --output=DIR
 
   python -m transformer_jax.convert --from=hf_marian --input=DIR --workdir=W [--allow_pickle]
   python -m transformer_jax.convert --to=hf_marian --workdir=W --output=DIR
@@ -10,7 +13,9 @@ torch.nn.Transformer.
   python -m transformer_jax.convert --to=torch --workdir=W --output=FILE
   python -m transformer_jax.convert --from=torch --input=FILE --like=MODEL --workdir=W
 
-An import writes a parameter snapshot, W/exports/<name>/, in the format of
+`--from=hf` picks the row by config.json's model_type (formats.MODEL_TYPES); `--to=hf`
+writes the family the model came from. An import writes a parameter snapshot,
+W/exports/<name>/, in the format of
 `python -m transformer_jax.export` (params, run config, tokenizers, manifest), which
 `predict`, `attention_maps`, `--eval_only` and `init_from` read. An export to hf_marian
 writes a `save_pretrained` directory that `MarianMTModel` and `MarianTokenizer` load (to
@@ -31,7 +36,10 @@ the special ids (see `marian`). GPT-2 and Llama are our LanguageModel with optio
   hf_lm              what the Hugging Face language models share: ids, import, export
   marian_files       the MarianMT save_pretrained directory in and out
   gpt2               GPT-2's config and tensor names, its directory in and out
-  llama              Llama's config and tensor names, its directory in and out
+  llama              Llama's config and tensor names, its directory in and out; `Shape`,
+                     `family`: the Llama-shaped families built on it
+  mistral, qwen,     Mistral, Qwen2 and Qwen3, Gemma 3: each a `Shape` (what it changes)
+  gemma3
   formats            the table of formats and `run`
   __main__           the command line
 """
