@@ -77,10 +77,8 @@ class Family:
     os.makedirs(output, exist_ok=True)
     write_weights(output, self.params_to_state(model.params, cfg, tokenizer))
     write_json(os.path.join(output, "config.json"), self.hf_config(cfg, tokenizer))
-    ends = [tokenizer.end_id, *tokenizer.to_theirs(list(cfg.end_ids)).tolist()]
     write_json(os.path.join(output, "generation_config.json"),
-               {"bos_token_id": tokenizer.bos_id,
-                "eos_token_id": ends if len(ends) > 1 else ends[0]})
+               {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos_token_id(cfg, tokenizer)})
     tokenizer.write_hf_files(output, model_max_length=cfg.max_len)
     return ""
 
@@ -106,6 +104,14 @@ def check_vocabulary(hf: dict, tokenizer: HFTokenizer, source: str,
     raise ConvertError(f"{source}: eos_token_id={hf['eos_token_id']!r} does not hold the "
                        f"tokenizer's eos_token {tokenizer.eos_token!r} ({tokenizer.end_id}), "
                        "which ends the texts this project trains on")
+
+
+def eos_token_id(cfg: TransformerConfig, tokenizer: HFTokenizer) -> int | list[int]:
+  """config.json's and generation_config.json's eos_token_id of our model: the tokenizer's
+  eos, or a list with the other end ids."""
+  if not cfg.end_ids:
+    return tokenizer.end_id
+  return [tokenizer.end_id, *tokenizer.to_theirs(list(cfg.end_ids)).tolist()]
 
 
 def _ids(value: Any) -> list[int]:

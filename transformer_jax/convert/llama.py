@@ -42,6 +42,7 @@ from transformer_jax.convert.hf_lm import (
   Family,
   StateDict,
   check_vocabulary,
+  eos_token_id,
   rowless_ids,
   rows_to_ours,
   rows_to_theirs,
@@ -222,15 +223,8 @@ def _hf_config(shape: Shape, cfg: TransformerConfig, tokenizer: HFTokenizer) -> 
       "tie_word_embeddings": cfg.tie_output, "attention_bias": False, "mlp_bias": False,
       "attention_dropout": cfg.attention_dropout_rate, "initializer_range": 0.02,
       "bos_token_id": tokenizer.bos_id,
-      "eos_token_id": end_ids_of_theirs(cfg, tokenizer),
+      "eos_token_id": eos_token_id(cfg, tokenizer),
       "use_cache": True, "dtype": "float32", **shape.hf_options(cfg)}
-
-
-def end_ids_of_theirs(cfg: TransformerConfig, tokenizer: HFTokenizer) -> int | list[int]:
-  """config.json's eos_token_id: the tokenizer's, or a list with the other end ids."""
-  if not cfg.end_ids:
-    return tokenizer.end_id
-  return [tokenizer.end_id, *tokenizer.to_theirs(list(cfg.end_ids)).tolist()]
 
 
 def _incompatibility(shape: Shape, cfg: TransformerConfig, tokenizer: object) -> str | None:
