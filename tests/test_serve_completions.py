@@ -114,7 +114,10 @@ BAD = [
     (_completion(model="gpt-4"), 404, "model"),
     (json.dumps({"model": NAME}).encode(), 400, "prompt"),
     (_completion(prompt=7), 400, "prompt"), (_completion(prompt=[]), 400, "prompt"),
-    (_completion(prompt=[[5, 6]]), 400, "prompt"),
+    (_completion(prompt=[[5, 6], []]), 400, "prompt"), (_completion(prompt=[5, 1.5]), 400,
+                                                        "prompt"),
+    (_completion(prompt=[5, 99999]), 400, "prompt"), (_completion(prompt=[0, 5]), 400,
+                                                      "prompt"),        # PAD: no token
     (_completion(prompt="the Z"), 400, "prompt"),                # not in the vocabulary
     (_completion(max_tokens=0), 400, "max_tokens"), (_completion(max_tokens=24), 400,
                                                       "max_tokens"),
@@ -127,11 +130,13 @@ BAD = [
                                                                  "stop"),
     (_completion(stream="yes"), 400, "stream"),
     (_completion(stream_options={"include_usage": True}), 400, "stream_options"),
-    (_completion(logprobs=1), 400, "logprobs"), (_completion(echo=True), 400, "echo"),
+    (_completion(logprobs=6), 400, "logprobs"), (_completion(logprobs=True), 400, "logprobs"),
+    (_completion(echo="yes"), 400, "echo"),
+    (_completion(prompt="the" * 30, echo=True, logprobs=0), 400, "prompt"),   # past context
     (_completion(best_of=3), 400, "best_of"), (_completion(max_token=8), 400, "max_token"),
     (_completion(prompt=["a"] * 3, n=3), 413, "prompt"),         # 9 choices > --max_inputs
     (_completion(prompt="a" * 5000), 413, None),                 # > --max_body_bytes
-    (("POST", "/v1/chat/completions", b"{}"), 404, None),
+    (("POST", "/v1/chat/completions", b"{}"), 400, None),       # no chat template
     (("GET", "/v1/completions", None), 405, None),
     (("GET", "/v1/models/gpt-4", None), 404, "model"),
 ]
@@ -158,6 +163,24 @@ def test_bad_requests_through_the_client_raise_its_errors(server):
   with pytest.raises(openai.BadRequestError) as bad:
     client.completions.create(model=NAME, prompt="the", temperature=3)
   assert bad.value.body["param"] == "temperature"
+
+
+def test_clients_that_leave_early_leave_no_traceback(server):
+  """Clients that reset their connection right after sending: a streamed request, and a
+  whole answer's (its write fails in `_answer`): the server logs no traceback and answers
+  on."""
+  import struct
+  host, port = server.url.removeprefix("http://").split(":")
+  for stream in (True, False, False):
+    body = _completion(max_tokens=20, n=4, stream=stream)
+    with socket.create_connection((host, int(port)), timeout=60) as leaving:
+      leaving.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+      leaving.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+                      b"\r\n%s" % (len(body), body))
+    time.sleep(0.5)                                    # its answer is written, or fails
+  code, answer = _raw(server, "POST", "/v1/completions", _completion(max_tokens=2))
+  assert code == 200 and answer["choices"][0]["finish_reason"]
+  assert not [line for line in server.output.lines() if "Traceback" in line], "\n".join(server.output.lines())
 
 
 def test_while_shutting_down_new_requests_get_503(server):

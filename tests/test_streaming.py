@@ -17,7 +17,8 @@ from test_lm import MODERN, lm_config
 
 from transformer_jax.data.tokenizer import CharVocab
 from transformer_jax.options import DecodeOptions
-from transformer_jax.serving.streaming import Sampling, StreamBatcher, TextStream
+from transformer_jax.serving.streaming import Sampling, StreamBatcher
+from transformer_jax.serving.text_stream import TextStream
 
 CHARS = " abcdefghijklmnopqrstuvwxyz"
 PROMPTS = ["the king", "a", "", "queen of hearts and the crown"]
@@ -109,6 +110,23 @@ def test_a_choice_depends_neither_on_its_neighbours_nor_on_when_it_joined(model)
   assert len({c.text.sent for c in many.choices}) > len(PROMPTS)
 
 
+def test_a_cancelled_completion_frees_its_slots_at_the_next_step(model):
+  """A client that went away (the server sets `cancelled` when a write fails): its choices
+  leave their slots at the next step, and the waiting ones take them."""
+  streams = _batcher(model.served, 4)
+  leaving = streams.submit(_ids(model, ["the king"]), 4, Sampling(20, 1.0, 0, 1.0, 0))
+  waiting = streams.submit(_ids(model, ["a"]), 1, Sampling(3, 0.0, 0, 1.0, 0))
+  streams.run_once()
+  assert all(c.slot >= 0 and not c.finish_reason for c in leaving.choices)
+  drawn = [c.drawn for c in leaving.choices]
+  leaving.cancelled = True
+  streams.run_once()
+  assert waiting.choices[0].slot >= 0 and waiting.choices[0].drawn == 2   # joined, stepped
+  assert [c.drawn for c in leaving.choices] == drawn         # none stepped again
+  _run(streams)
+  assert waiting.choices[0].finish_reason and streams.idle()
+
+
 def test_a_choice_is_the_same_while_the_cache_grows_and_shrinks_around_it(model):
   """The cache holds the rows and positions the busy slots need (serving/slots.py): a choice
   beside rows that join late, high in the batch, and leave early draws what it draws alone,
@@ -145,7 +163,7 @@ def test_after_warm_up_no_request_waits_for_a_compilation(model):
   streams = StreamBatcher(DecodingBatch(model.served.streaming, 8, shrink_after=2),
                           model.served.tokenizer.decode,
                           model.served.end_ids, start=False)
-  assert streams.warm_up(24) == (4 + 4) * 2       # 1, 2, 4, 8 rows; 16 and 24 positions
+  assert streams.warm_up(24) == (4 + 4 + 1) * 2   # 1, 2, 4, 8 rows, scores; 16 and 24 positions
   compiled, shapes = CompileClock.seconds(), set()
   for step in range(30):
     if step in (0, 3, 4, 12):

@@ -4,6 +4,7 @@
       [--beam_size 4] [--alpha 0.6] [--batch_size 64] [--checkpoint DIR]
       [--too_long refuse|truncate]
       [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--seed S]   (lm)
+      [--chat]   (a language model with a chat template: each line is a user's message)
 
 Translation: text in, text out. Classification: text in, label out. Tagging: words
 separated by spaces or tabs in, one tag per word out. Language model: a prompt in, its
@@ -18,6 +19,11 @@ Lines are read, cleaned and fitted to the model as its training did, as the serv
 a blank line gives an empty output, a line longer than the model's max_len is truncated
 by a classifier, tagged in overlapping windows by a tagger, and refused (an `error:` line
 naming it) by translation or under --too_long=refuse.
+
+Chat (--chat): each line is one user message, rendered with the model's chat template
+(data/chat_template.py) with the assistant's turn begun, as POST /v1/chat/completions
+renders it; the output is the assistant's answer, which ends at the model's end ids or the
+template's end of turn. A conversation longer than the context leaves is refused.
 """
 
 from __future__ import annotations
@@ -34,14 +40,22 @@ import numpy as np
 from absl import flags, logging
 
 from transformer_jax import checkpoint, errors, tasks
+from transformer_jax.config import EOS_ID
 from transformer_jax.data import pipeline
 from transformer_jax.errors import MissingFileError, UserError
 from transformer_jax.files import atomic_output
-from transformer_jax.inputs import InputError
+from transformer_jax.inputs import InputError, bucket_for, bucket_lengths
 from transformer_jax.modules import kernels
 from transformer_jax.options import DataOptions, DecodeOptions, TrainOptions
 from transformer_jax.renamed_fields import upgrade
-from transformer_jax.serving.line_policy import TOO_LONG_CHOICES, LineReader, stitch, window_starts
+from transformer_jax.sampling import check_room, compiled_generate, continuations
+from transformer_jax.serving.line_policy import (
+  TOO_LONG_CHOICES,
+  LineReader,
+  escape_line,
+  stitch,
+  window_starts,
+)
 
 
 class _Prepared:
@@ -148,6 +162,56 @@ class Predictor:
         outputs[record["line"]] = output
     return outputs
 
+  def chat_template(self) -> Any:
+    """The model's chat template (data/chat_template.py); UserError where it has none."""
+    # Imported here: jinja2 is needed only to chat.
+    from transformer_jax.data.chat_template import chat_template
+    if self.task.name != "lm":
+      raise UserError(f"--chat: {self.path} holds a {self.task.name} model; chat is for "
+                      "language models")
+    try:
+      template = chat_template(getattr(self.task.tokenizer, "config", {}))
+    except ValueError as e:
+      raise UserError(f"--chat: {self.path}: {e}") from None
+    if template is None:
+      raise UserError(f"--chat: the model of {self.path} has no chat template (its "
+                      "tokenizer_config.json had no \"chat_template\", nor chat_template.jinja "
+                      "beside it, when imported); leave --chat out to continue the lines")
+    return template
+
+  def chat_lines(self, lines: list[str], template: Any, decode: DecodeOptions | None = None,
+                 first_line: int = 1) -> list[str]:
+    """Each line as a user's message (see the module doc, "Chat") -> the assistant's answer,
+    escaped as a line; InputError naming a line the template refuses or the context cannot
+    hold."""
+    from transformer_jax.data.chat_template import end_of_turn
+    decode, tokenizer, cfg = decode or self.decode, self.task.tokenizer, self.model_config
+    check_room(cfg, decode.max_new_tokens)
+    room = cfg.max_len - decode.max_new_tokens
+    prompts = []
+    for index, line in enumerate(lines):
+      where = f"input line {first_line + index}"
+      try:
+        ids = tokenizer.encode(template.render([{"role": "user",
+                                                 "content": self.policy.clean(line)}]))
+      except ValueError as e:
+        raise InputError(f"{where}: {e}") from None
+      if len(ids) > room:
+        raise InputError(f"{where}: the chat prompt is {len(ids)} tokens; the model's context "
+                         f"of {cfg.max_len} holds {room} before --max_new_tokens="
+                         f"{decode.max_new_tokens}: shorten the line or ask for fewer tokens")
+      prompts.append(ids)
+    end = end_of_turn(template, tokenizer.encode)   # ends the answer, as the server's does
+    extra = () if end is None or end in (EOS_ID, *cfg.end_ids) else (end,)
+    ends = cfg.end_ids + extra
+    width = bucket_for(max(map(len, prompts)), bucket_lengths(cfg.max_len))   # one compile
+    rows = np.zeros((len(prompts), width), np.int32)
+    for row, ids in enumerate(prompts):
+      rows[row, :len(ids)] = ids
+    run = compiled_generate(cfg.replace(end_ids=ends), decode.max_new_tokens)
+    out = run(self.params, rows, decode.temperature, decode.top_k, decode.top_p, decode.seed)
+    return [escape_line(tokenizer.decode(t)) for t in continuations(out, ends)]
+
   def _stitched(self, batches: list[pipeline.EvalBatch], lengths: dict[int, int],
                 outputs: list[str], decode: DecodeOptions) -> list[str]:
     """`outputs` with each line's output from its windows' per-token scores, each token's
@@ -179,12 +243,13 @@ def _batches(lines: Iterable[str], size: int) -> Iterable[list[str]]:
 
 def predict(workdir: str | None, infile: BinaryIO, outfile: TextIO, beam_size: int | None,
             alpha: float | None, batch_size: int, checkpoint_path: str | None = None,
-            too_long: str | None = None, **sampling: Any) -> int:
+            too_long: str | None = None, chat: bool = False, **sampling: Any) -> int:
   """Predicts every line of `infile` (bytes, read as serving/line_policy.py says) into
   `outfile`; beam_size/alpha None: the run's own; too_long None: as the training did.
   `sampling`: a language model's decode options (max_new_tokens, temperature, top_k,
-  top_p, seed; None: the run's)."""
+  top_p, seed; None: the run's). `chat`: each line is a user's message (the module doc)."""
   predictor = Predictor(workdir, checkpoint_path, too_long)
+  template = predictor.chat_template() if chat else None
   decode = predictor.decode_options(beam_size=beam_size, alpha=alpha, **sampling)
   reader = LineReader(infile)
   lines: Iterable[str] = reader
@@ -192,7 +257,9 @@ def predict(workdir: str | None, infile: BinaryIO, outfile: TextIO, beam_size: i
     lines = _utf8_only(reader)
   count = 0
   for batch in _batches(lines, batch_size):
-    for line in predictor.predict_lines(batch, decode, first_line=count + 1):
+    outputs = (predictor.predict_lines(batch, decode, first_line=count + 1) if template is None
+               else predictor.chat_lines(batch, template, decode, first_line=count + 1))
+    for line in outputs:
       outfile.write(line + "\n")
       count += 1
   outfile.flush()
@@ -244,6 +311,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                     "data.truncate's tokens, a tagger tags overlapping windows; translation "
                     "refuses), 'refuse' stops with an error naming the line. Default: "
                     "truncate (refuse for translation).", **define)
+  flags.DEFINE_boolean("chat", False, "Language models with a chat template: each line is "
+                       "a user's message, answered in the template's assistant turn.",
+                       **define)
 
   for name, define_flag, help_text in _SAMPLING_FLAGS:
     define_flag(name, None, f"Language models: {help_text} Default: the run's decode.{name}.",
@@ -289,6 +359,7 @@ def main(argv):
     raise UserError(f"--input={FLAGS.input}: {e.strerror or e}") from None
   args = (FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_size, FLAGS.checkpoint, FLAGS.too_long)
   sampling = {name: FLAGS[name].value for name, _, _ in _SAMPLING_FLAGS}
+  sampling["chat"] = FLAGS.chat
   try:
     if FLAGS.output == "-":
       predict(FLAGS.workdir, infile, sys.stdout, *args, **sampling)

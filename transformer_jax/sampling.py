@@ -192,7 +192,7 @@ def continue_rows(model: LanguageModel, params: Any, rows: Array, lengths: Array
     k, cache, rows, token, finished, out = state
     at = lengths + k - 1                            # (B,) where `token`, drawn last, goes
     if use_cache:
-      cache, drawn = step(model, params, cache, token, at, keys, *settings)
+      cache, drawn, _ = step(model, params, cache, token, at, keys, *settings)
     else:
       rows = rows.at[jnp.arange(batch), at].set(token)
       drawn = _draw(_logits_at(cast(Array, model.apply({"params": params}, rows)), at), keys,
@@ -246,16 +246,65 @@ def compiled_generate(config: TransformerConfig, max_new_tokens: int,
   return jax.jit(run)
 
 
+# ------------------------------------------------------------------- log-probabilities
+TOP_LOGPROBS = 5   # the likeliest tokens a position reports at most (OpenAI's legacy limit)
+Reported = tuple[Array, Array, Array]   # a token's log-probability, the top ids, their values
+
+
+def _log_softmax(logits: Array, banned: tuple[int, ...]) -> Array:
+  """The model's log-probabilities over the tokens it may draw: before temperature and any
+  cut, as vLLM reports them; the ids without a token excluded, as transformers' model,
+  which has no rows for them, excludes them."""
+  logits = logits.astype(jnp.float32).at[..., jnp.array(banned)].set(-jnp.inf)
+  return jax.nn.log_softmax(logits, axis=-1)
+
+
+def reported(logits: Array, tokens: Array, wanted: Array,
+             banned: tuple[int, ...]) -> Reported:
+  """(B, V) logits and the tokens drawn from them (B,) -> each token's log-probability (B,)
+  and the TOP_LOGPROBS likeliest ids and their log-probabilities (B, TOP_LOGPROBS); zeros
+  unless some row is `wanted` (B,): a step where no row asks skips the vocabulary's top-k."""
+  rows = logits.shape[0]
+
+  def compute(logits: Array) -> Reported:
+    log_probs = _log_softmax(logits, banned)
+    values, ids = jax.lax.top_k(log_probs, TOP_LOGPROBS)
+    return (jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0],
+            ids.astype(jnp.int32), values)
+
+  def nothing(logits: Array) -> Reported:
+    return (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, TOP_LOGPROBS), jnp.int32),
+            jnp.zeros((rows, TOP_LOGPROBS), jnp.float32))
+  return jax.lax.cond(jnp.any(wanted), compute, nothing, logits)
+
+
+def score(model: LanguageModel, params: Any, rows: Array) -> Reported:
+  """Texts (R, S) of token ids, right-padded with PAD, through the model at once: each
+  token's log-probability given the tokens before it (R, S; the first token's 0: nothing
+  comes before it), and after each position the TOP_LOGPROBS likeliest next ids and their
+  log-probabilities (R, S, TOP_LOGPROBS): position t's predict token t + 1. What a served
+  model answers an echoed prompt's logprobs with, as transformers' logits give them."""
+  log_probs = _log_softmax(cast(Array, model.apply({"params": params}, rows)),
+                           banned_ids(model.config))
+  values, ids = jax.lax.top_k(log_probs, TOP_LOGPROBS)
+  batch, width = rows.shape
+  positions = jnp.arange(width)[None]
+  before = jnp.maximum(positions - 1, 0)       # token t's distribution: after token t - 1
+  chosen = log_probs[jnp.arange(batch)[:, None], before, rows]
+  return jnp.where(positions > 0, chosen, 0.0), ids.astype(jnp.int32), values
+
+
 # -------------------------------------------------------------- a served decoding batch
 def prefill(model: LanguageModel, params: Any, prompts: Array, max_new_tokens: Array,
             seeds: Array, choices: Array, temperature: Array, top_k: Array,
-            top_p: Array) -> tuple[Any, Array, Array, Array]:
+            top_p: Array, logprobs: Array) -> tuple[Any, Array, Array, Array, Reported]:
   """New rows of a served model's decoding batch (serving/streaming.py), started as
   `generate` starts its rows: prompts (R, S) as `prompt_ids` encodes them, right-padded,
   each cut to the context its max_new_tokens (R,) leave -> each row's cache over its S
   positions, its first token, its length (where that token goes) and its key, of its seed
   (R,) and its prompt: a served choice draws what predict draws at the same seed. Choice
-  c > 0 of a prompt (a request's n) folds c into its key. Settings: one per row (R,)."""
+  c > 0 of a prompt (a request's n) folds c into its key. Settings: one per row (R,); and
+  the first token's `Reported` log-probabilities where a row asks for them (logprobs > 0)."""
   width = prompts.shape[1]
   rows, lengths = prompt_rows(prompts, width, model.config.max_len - max_new_tokens)
   keys = jax.vmap(lambda seed, row: prompt_keys(seed, row[None])[0])(
@@ -263,20 +312,27 @@ def prefill(model: LanguageModel, params: Any, prompts: Array, max_new_tokens: A
   keys = jnp.where((choices > 0)[:, None], jax.vmap(jax.random.fold_in)(keys, choices), keys)
   cache, logits = _prefill_logits(model, params, _empty_cache(model, params, rows), rows,
                                   lengths)
-  first = _draw(logits, keys, lengths, temperature, top_k, top_p, banned_ids(model.config))
-  return cache, first, lengths, keys
+  banned = banned_ids(model.config)
+  first = _draw(logits, keys, lengths, temperature, top_k, top_p, banned)
+  return cache, first, lengths, keys, reported(logits, first, logprobs > 0, banned)
 
 
 def step(model: LanguageModel, params: Any, cache: Any, tokens: Array, positions: Array,
-         keys: Array, temperature: Array, top_k: Array, top_p: Array) -> tuple[Any, Array]:
+         keys: Array, temperature: Array, top_k: Array, top_p: Array,
+         logprobs: Array | None = None) -> tuple[Any, Array, Reported]:
   """One step of a served decoding batch: each row feeds its last token (B,) at its own
   position (B,) and draws the next with its key folded with that token's position, as
-  `generate` draws it. Settings: one per row (B,)."""
+  `generate` draws it. Settings: one per row (B,); and the drawn tokens' `Reported`
+  log-probabilities where a row asks for them (logprobs > 0)."""
   logits, variables = model.apply({"params": params, "cache": cache}, tokens[:, None],
                                   positions=positions[:, None], decode=True,
                                   mutable=["cache"])
-  return variables["cache"], _draw(logits[:, 0], keys, positions + 1, temperature, top_k,
-                                   top_p, banned_ids(model.config))
+  banned = banned_ids(model.config)
+  drawn = _draw(logits[:, 0], keys, positions + 1, temperature, top_k, top_p, banned)
+  wanted = jnp.zeros_like(tokens, bool) if logprobs is None else logprobs > 0
+  return variables["cache"], drawn, reported(logits[:, 0], drawn, wanted, banned)
+
+
 
 
 def check_room(config: TransformerConfig, max_new_tokens: int) -> None:

@@ -23,6 +23,7 @@ factor) is refused, naming the config field.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -321,10 +322,15 @@ def params_to_state(params: dict, cfg: TransformerConfig,
 # ------------------------------------------------------------------------- files
 def read_tokenizer(directory: str) -> HFTokenizer:
   """The directory's tokenizer.json, with tokenizer_config.json (over the special tokens of
-  special_tokens_map.json, which older uploads keep apart)."""
+  special_tokens_map.json, which older uploads keep apart) and its chat template
+  (data/chat_template.py)."""
   path = need_file(directory, "tokenizer.json", LAYOUT)
   config = {**optional_json(directory, "special_tokens_map.json"),
             **optional_json(directory, "tokenizer_config.json")}
+  template = os.path.join(directory, "chat_template.jinja")   # transformers 5 saves it here
+  if os.path.isfile(template):    # and reads it before tokenizer_config.json's
+    with open(template, encoding="utf-8") as f:
+      config["chat_template"] = f.read()
   with open(path, encoding="utf-8") as f:
     return HFTokenizer(f.read(), config)
 

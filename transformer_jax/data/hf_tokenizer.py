@@ -146,6 +146,13 @@ class HFTokenizer:
     kept = [int(i) for i in ids if int(i) >= FIRST_TOKEN]
     return self._tokenizer.decode(self.to_theirs(kept).tolist(), skip_special_tokens=True)
 
+  def token_text(self, token: int) -> str:
+    """One token's own text, a special token's written out ("" for an absent id): what a
+    served model reports a token's log-probability under."""
+    theirs = self._theirs[token] if 0 <= token < self.vocab_size else -1
+    return "" if theirs < 0 else self._tokenizer.decode([int(theirs)],
+                                                         skip_special_tokens=False)
+
   # ------------------------------------------------------------------------ files
   def save(self, path: str) -> None:
     """One JSON file holding tokenizer.json as a string (its bytes kept, so a workdir's

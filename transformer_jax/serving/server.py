@@ -3,7 +3,11 @@
   POST /v1/predict      {"inputs": ["line", ...]}  ->  200 {"outputs": ["output", ...]}
   POST /v1/completions  a language model's OpenAI completions, streamed as server-sent
                         events with "stream": true (openai_api.py, streaming.py)
+  POST /v1/chat/completions  its chat completions, where its tokenizer has a chat template
+                        (chat_api.py); a 400 naming the missing template where not
   GET  /v1/models       the served model, as OpenAI lists models
+  GET  /, /index.html   the playground: a page that streams completions (or chats) in a
+                        browser (playground.html, read once at start)
   GET  /healthz         ->  200 {"status": "ok", "name", "version", "task", "fingerprint",
                                   "device", "device_kind"}
   GET  /metrics         ->  200 Prometheus text format (serving/metrics.py)
@@ -29,14 +33,16 @@ from __future__ import annotations
 
 import dataclasses
 import http.server
+import importlib.resources
 import json
+import sys
 import threading
 import time
 import urllib.parse
 from typing import Any, Callable
 
 from transformer_jax.inputs import InputError
-from transformer_jax.serving import device, openai_api
+from transformer_jax.serving import chat_api, device, openai_api
 from transformer_jax.serving.batching import Batcher
 from transformer_jax.serving.lines import Served
 from transformer_jax.serving.openai_api import OpenAIError
@@ -44,8 +50,14 @@ from transformer_jax.serving.streaming import StreamBatcher
 
 DRAIN_LIMIT = 64 << 20      # a refused body larger than this is not read; the socket closes
 PREDICT, HEALTH, METRICS = "/v1/predict", "/healthz", "/metrics"
-COMPLETIONS, MODELS = "/v1/completions", "/v1/models"
-_METHODS = {PREDICT: "POST", HEALTH: "GET", METRICS: "GET", COMPLETIONS: "POST", MODELS: "GET"}
+COMPLETIONS, CHAT, MODELS = "/v1/completions", "/v1/chat/completions", "/v1/models"
+_METHODS = {PREDICT: "POST", HEALTH: "GET", METRICS: "GET", COMPLETIONS: "POST", CHAT: "POST",
+            MODELS: "GET"}
+PLAYGROUND_PATHS = ("/", "/index.html")
+_METHODS.update(dict.fromkeys(PLAYGROUND_PATHS, "GET"))    # POST / is a 405, not a 404
+# The playground page, read once: package data beside this module (pyproject.toml).
+PLAYGROUND = (importlib.resources.files("transformer_jax.serving") / "playground.html"
+              ).read_bytes()
 
 
 class BadRequest(Exception):
@@ -113,6 +125,8 @@ def make_handler(served: Served, batcher: Batcher, limits: Limits, identity: dic
   metrics = batcher.metrics
   completions = openai_api.Completions(served, streams, identity["name"], identity["version"],
                                        limits.max_inputs)
+  chats = chat_api.Chats(served, streams, identity["name"], identity["version"],
+                         limits.max_inputs)
 
   class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"       # keep-alive: clients reuse connections
@@ -122,15 +136,18 @@ def make_handler(served: Served, batcher: Batcher, limits: Limits, identity: dic
                 body: bytes | None = None, content_type: str = "application/json",
                 headers: dict[str, str] | None = None, started: float | None = None) -> None:
       body = json.dumps(payload).encode() if body is None else body
-      self.send_response(status)
-      self.send_header("Content-Type", content_type)
-      self.send_header("Content-Length", str(len(body)))
-      for key, value in (headers or {}).items():
-        self.send_header(key, value)
-      if self.close_connection:
-        self.send_header("Connection", "close")
-      self.end_headers()
-      self.wfile.write(body)
+      try:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for key, value in (headers or {}).items():
+          self.send_header(key, value)
+        if self.close_connection:
+          self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+      except OSError:        # the client went away before its answer: nothing to tell it
+        self.close_connection = True
       metrics.answered(status, None if started is None else time.monotonic() - started)
 
     def _error(self, status: int, message: str, *, param: str | None = None,
@@ -190,29 +207,29 @@ def make_handler(served: Served, batcher: Batcher, limits: Limits, identity: dic
           self._answer(200, completions.model(urllib.parse.unquote(self.path[len(MODELS) + 1:])))
         except OpenAIError as e:
           self._answer(e.status, e.body())
-      elif self.path in (PREDICT, COMPLETIONS):
+      elif self.path in PLAYGROUND_PATHS:
+        self._answer(200, body=PLAYGROUND, content_type="text/html; charset=utf-8")
+      elif self.path in (PREDICT, COMPLETIONS, CHAT):
         self._method_not_allowed()
       else:
-        self._error(404, f"no such path {self.path}; use POST {PREDICT}, GET {HEALTH} or "
-                    f"GET {METRICS}")
+        self._error(404, f"no such path {self.path}; use GET / (the playground), POST "
+                    f"{PREDICT}, POST {COMPLETIONS}, POST {CHAT}, GET {MODELS}, GET "
+                    f"{HEALTH} or GET {METRICS}")
 
     def _post(self) -> None:
       if self._refuse_while_draining():
         return
-      if self.path not in (PREDICT, COMPLETIONS):
+      if self.path not in (PREDICT, COMPLETIONS, CHAT):
         self._drain(self._length())
         if self.path in _METHODS:
           self._method_not_allowed()
-        elif self.path.rstrip("/").endswith("/chat/completions"):
-          self._error(404, "chat completions are not served: this is a completion model "
-                      f"without a chat template; POST {COMPLETIONS} with a prompt")
         else:
-          self._error(404, f"no such path {self.path}; use POST {PREDICT} or POST "
-                      f"{COMPLETIONS}")
+          self._error(404, f"no such path {self.path}; use POST {PREDICT}, POST "
+                      f"{COMPLETIONS} or POST {CHAT}")
         return
       started = time.monotonic()
-      if self.path == COMPLETIONS:
-        self._complete(started)
+      if self.path in (COMPLETIONS, CHAT):
+        self._complete(started, chats if self.path == CHAT else completions)
         return
       try:
         inputs = parse_inputs(self._body(), limits.max_inputs)
@@ -229,32 +246,33 @@ def make_handler(served: Served, batcher: Batcher, limits: Limits, identity: dic
       if log_request is not None:
         log_request({"latency_s": time.monotonic() - started, **dataclasses.asdict(record)})
 
-    # ----------------------------------------------------------------- /v1/completions
-    def _complete(self, started: float) -> None:
+    # ------------------------------------------------- /v1/completions, /v1/chat/...
+    def _complete(self, began: float,
+                  endpoint: openai_api.Completions | chat_api.Chats) -> None:
       try:
-        request, completion, head = completions.start(self._body())
+        queued = endpoint.start(self._body())
       except BadRequest as e:
-        self._error(e.status, str(e), started=started)
+        self._error(e.status, str(e), started=began)
         return
       except OpenAIError as e:
-        self._answer(e.status, e.body(), started=started)
+        self._answer(e.status, e.body(), started=began)
         return
-      if not request.stream:
-        self._answer(*completions.answer(completion, head), started=started)
+      if not queued.request.stream:
+        self._answer(*endpoint.answer(queued), started=began)
         return
-      self.send_response(200)
-      self.send_header("Content-Type", "text/event-stream")
-      self.send_header("Cache-Control", "no-cache")
-      self.send_header("Transfer-Encoding", "chunked")
-      self.end_headers()
       try:
-        for data in completions.events(completion, head, request.include_usage):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for data in endpoint.events(queued):
           self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))    # one write, one chunk
         self.wfile.write(b"0\r\n\r\n")                             # the body's end
       except OSError:                           # the client went away: its rows stop
-        completion.cancelled = True
+        queued.completion.cancelled = True
         self.close_connection = True
-      metrics.answered(200, time.monotonic() - started)
+      metrics.answered(200, time.monotonic() - began)
 
     # ---------------------------------------------------------------------- bodies
     def _other_method(self) -> None:
@@ -308,3 +326,9 @@ class Server(http.server.ThreadingHTTPServer):
   def __init__(self, address: tuple[str, int], handler: type, backlog: int):
     self.request_queue_size = backlog
     super().__init__(address, handler)
+
+  def handle_error(self, request: Any, client_address: Any) -> None:
+    """A client that went away (a reset or a broken pipe, while its next request was read)
+    is nothing to report; anything else is, with its traceback."""
+    if not isinstance(sys.exc_info()[1], ConnectionError):
+      super().handle_error(request, client_address)

@@ -7,11 +7,17 @@ prefill.jax_exported and step.jax_exported):
 
   prefill(params, prompts (R, S) as `prompt_ids` encodes them, right-padded,
           max_new_tokens (R,), seeds (R,) uint32, choices (R,), temperature (R,), top_k (R,),
-          top_p (R,))
-      -> (the R rows' cache over S positions, first tokens (R,), lengths (R,), keys (R, 2))
+          top_p (R,), logprobs (R,))
+      -> (the R rows' cache over S positions, first tokens (R,), lengths (R,), keys (R, 2),
+          *reported)
   step(params, cache of B rows x W positions, tokens (B,), positions (B,), keys (B, 2),
-       temperature (B,), top_k (B,), top_p (B,))
-      -> (the cache, next tokens (B,))
+       temperature (B,), top_k (B,), top_p (B,), logprobs (B,))
+      -> (the cache, next tokens (B,), *reported)
+  score(params, texts (R, S) right-padded) -> (each token's log-probability (R, S), the
+       likeliest next ids (R, S, K) and their log-probabilities (R, S, K))
+
+`reported` (sampling.reported): each drawn token's log-probability (R,) and the likeliest
+ids (R, K) and their log-probabilities (R, K), computed where a row's logprobs > 0.
 
 The cache is a list of arrays whose shapes the manifest gives with the names "rows" and
 "length" for those two axes (a model with scanned layers has a layer axis first).
@@ -43,6 +49,9 @@ from transformer_jax.inputs import bucket_for, bucket_lengths, power_of_two
 
 ROWS, LENGTH = "rows", "length"     # the cache's symbolic axes, as the manifest names them
 SHRINK_AFTER = 32                   # steps that must all need a smaller cache before it shrinks
+SCORE_TOKENS = 1024   # tokens a score call takes at most: its log-probabilities are 4 x the
+                      # vocabulary bytes each (GPT-2: 200 MB)
+Reported = tuple[np.ndarray, np.ndarray, np.ndarray]   # sampling.reported, on the host
 
 
 class StreamingPrograms(NamedTuple):
@@ -51,6 +60,7 @@ class StreamingPrograms(NamedTuple):
   params: Any
   prefill: Callable[..., Any]
   step: Callable[..., Any]
+  score: Callable[..., Any]
   cache: list[dict[str, Any]]
   max_len: int
 
@@ -74,10 +84,10 @@ class DecodingBatch:
     shapes = [spec["shape"] for spec in programs.cache]
 
     def prefill(params: Any, *inputs: jax.Array) -> tuple[Any, ...]:
-      rows_cache, first, lengths, keys = programs.prefill(params, *inputs)
+      rows_cache, first, *more = programs.prefill(params, *inputs)
       each_row = [[jax.lax.index_in_dim(c, row, shape.index(ROWS)) for c, shape
                    in zip(rows_cache, shapes)] for row in range(first.shape[0])]
-      return each_row, first, lengths, keys
+      return each_row, first, *more
 
     def write(cache: list[jax.Array], slot: jax.Array, row_cache: list[jax.Array]
               ) -> list[jax.Array]:
@@ -99,6 +109,7 @@ class DecodingBatch:
     self._write = jax.jit(write, donate_argnums=0)
     self._resize = jax.jit(resize, static_argnums=(1, 2))   # a new shape: nothing to donate
     self._step = jax.jit(programs.step, donate_argnums=1)
+    self._score = jax.jit(programs.score)
     self._needs: collections.deque[tuple[int, int]] = collections.deque(maxlen=shrink_after)
     self.reset()
 
@@ -143,33 +154,47 @@ class DecodingBatch:
 
   def prefill(self, slots: np.ndarray, prompts: np.ndarray, max_new_tokens: np.ndarray,
               seeds: np.ndarray, choices: np.ndarray, temperature: np.ndarray,
-              top_k: np.ndarray, top_p: np.ndarray) -> tuple[np.ndarray, ...]:
+              top_k: np.ndarray, top_p: np.ndarray,
+              logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Reported]:
     """Starts the rows of `prompts` in `slots` (a slot given twice holds its first row):
-    their first tokens, lengths (the position of the first token) and keys."""
-    each_row, first, lengths, keys = self._prefill(
+    their first tokens, lengths (the position of the first token), keys, and the first
+    tokens' reported log-probabilities (where `logprobs` > 0)."""
+    each_row, first, lengths, keys, *reported = self._prefill(
         self.programs.params, prompts.astype(np.int32), max_new_tokens.astype(np.int32),
         seeds.astype(np.uint32), choices.astype(np.int32), temperature.astype(np.float32),
-        top_k.astype(np.int32), top_p.astype(np.float32))
+        top_k.astype(np.int32), top_p.astype(np.float32), logprobs.astype(np.int32))
     self._fit(int(slots.max()) + 1, prompts.shape[1], step=False)
     first_row = {int(slot): row for row, slot in reversed(list(enumerate(slots)))}
     for slot, row in first_row.items():
       self.cache = self._write(self.cache, np.int32(slot), each_row[row])
-    return np.asarray(first), np.asarray(lengths), np.asarray(keys)
+    return np.asarray(first), np.asarray(lengths), np.asarray(keys), _host(reported)
 
   def step(self, window: int, tokens: np.ndarray, positions: np.ndarray, keys: np.ndarray,
-           temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+           temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+           logprobs: np.ndarray) -> tuple[np.ndarray, Reported]:
     """One step of the first len(tokens) rows (every busy slot among them), each fed its
-    token at its position (all below `window`): the tokens they draw next. Rows of the
-    cache past them step idle (greedy, at position 0) and their tokens are dropped."""
+    token at its position (all below `window`): the tokens they draw next, and their
+    reported log-probabilities (where `logprobs` > 0). Rows of the cache past them step
+    idle (greedy, at position 0, nothing reported) and their tokens are dropped."""
     self._fit(len(tokens), window, step=True)
     inputs = [tokens.astype(np.int32), positions.astype(np.int32), keys.astype(np.uint32),
-              temperature.astype(np.float32), top_k.astype(np.int32), top_p.astype(np.float32)]
+              temperature.astype(np.float32), top_k.astype(np.int32), top_p.astype(np.float32),
+              logprobs.astype(np.int32)]
     idle = self._rows - len(tokens)
     if idle:   # greedy rows at position 0 (top_p 1: the whole distribution)
       inputs = [np.concatenate([x, np.full((idle, *x.shape[1:]), i == 5, x.dtype)])
                 for i, x in enumerate(inputs)]
-    self.cache, next_tokens = self._step(self.programs.params, self.cache, *inputs)
-    return np.asarray(next_tokens)[:len(tokens)]
+    self.cache, next_tokens, *reported = self._step(self.programs.params, self.cache, *inputs)
+    return (np.asarray(next_tokens)[:len(tokens)],
+            _host(reported, len(tokens)))
+
+  def score_rows(self, width: int) -> int:
+    """The rows a score call of texts `width` tokens wide takes at most (SCORE_TOKENS)."""
+    return min(self.slots, power_of_two(max(1, SCORE_TOKENS // width) + 1) // 2)
+
+  def score(self, texts: np.ndarray) -> Reported:
+    """sampling.score of texts (R, S), right-padded with PAD; R at most score_rows(S)."""
+    return _host(self._score(self.programs.params, texts.astype(np.int32)))
 
   def warm_up(self, widths: list[int]) -> int:
     """Compiles the model's programs for the shapes texts of up to widths[-1] tokens use:
@@ -185,7 +210,7 @@ class DecodingBatch:
         each_row, *_ = self._prefill(
             self.programs.params, np.zeros((rows, width), np.int32), zeros + 1,
             zeros.astype(np.uint32), zeros, zeros.astype(np.float32), zeros,
-            zeros + np.float32(1))
+            zeros + np.float32(1), zeros)
         new_rows[width] = each_row[0]
     shapes = [(rows, length) for rows in self.row_sizes for length in widths]
     for rows, length in shapes:
@@ -194,11 +219,19 @@ class DecodingBatch:
         self.reset(rows, length)
         self.cache = self._write(self.cache, np.int32(0), new_rows[width])
       self.step(length, zeros, zeros, np.zeros((rows, 2), np.uint32), zeros.astype(np.float32),
-                zeros, zeros + np.float32(1))
+                zeros, zeros + np.float32(1), zeros)
       for other in shapes:
         if abs(self.row_sizes.index(other[0]) - self.row_sizes.index(rows)) + \
            abs(widths.index(other[1]) - widths.index(length)) == 1:
           self.reset(rows, length)
           self._resize_to(*other)
+    for width in widths:
+      self.score(np.zeros((self.score_rows(width), width), np.int32))
     self.reset()
-    return (len(joining) + len(self.row_sizes)) * len(widths)
+    return (len(joining) + len(self.row_sizes) + 1) * len(widths)
+
+
+def _host(reported: Any, rows: int | None = None) -> Reported:
+  """Reported log-probabilities on the host, of the first `rows` rows (None: all)."""
+  chosen, ids, values = (np.asarray(x)[:rows] for x in reported)
+  return chosen, ids, values

@@ -16,10 +16,11 @@ Besides the files of every artifact (serving/artifact.py), the directory holds
                       word_bytes) int32 (inputs.character_ids of the line's words).
   params.npz          the parameters, one array per name: arguments, not constants, so the
                       module stays small and the weights can be swapped.
-  prefill.jax_exported, step.jax_exported
+  prefill.jax_exported, step.jax_exported, score.jax_exported
                       a language model's streaming programs (`Task.streaming_programs`:
-                      sampling.prefill and sampling.step, with symbolic rows and length; the
-                      server runs them as serving/slots.py says), the parameters first too.
+                      sampling.prefill, sampling.step and sampling.score, with symbolic rows
+                      and length; the server runs them as serving/slots.py says), the
+                      parameters first too.
 and the manifest adds the inputs' and output's shapes and dtypes, the parameters' names,
 shapes and dtypes, the JAX version, calling convention and platforms, and for a language
 model "streaming": those files and its cache's arrays (shapes with "rows" and "length").
@@ -47,11 +48,13 @@ from transformer_jax.serving.lines import DEFAULT_MAX_ROWS, Served
 from transformer_jax.serving.slots import LENGTH, ROWS, StreamingPrograms
 
 # Version 2: a language model's function takes each prompt as `prompt_ids` encodes it (1 added
-# BOS itself), so an older artifact is refused, to be exported again.
-FORMAT, FORMAT_VERSION = "transformer_jax.stablehlo", 2
+# BOS itself); 3: its streaming programs report log-probabilities and it has a "score"
+# program. An older artifact is refused, to be exported again.
+FORMAT, FORMAT_VERSION = "transformer_jax.stablehlo", 3
 MODEL_FILE, PARAMS_FILE = "model.jax_exported", "params.npz"
 # A language model's streaming programs (serving/slots.py), besides its whole function.
-STREAMING_FILES = {"prefill": "prefill.jax_exported", "step": "step.jax_exported"}
+STREAMING_FILES = {"prefill": "prefill.jax_exported", "step": "step.jax_exported",
+                   "score": "score.jax_exported"}
 
 # jax.devices() platform names -> jax.export platform names.
 _EXPORT_PLATFORM = {"gpu": "cuda"}
@@ -158,9 +161,10 @@ def load(directory: str, manifest: dict[str, Any],
     return np.asarray(call(params, jnp.asarray(tokens, jnp.int32), *extra))
   streaming = manifest.get("streaming")
   if streaming:
-    prefill, step = (_deserialize(directory, streaming[name]).call for name in STREAMING_FILES)
+    prefill, step, score = (_deserialize(directory, streaming[name]).call
+                            for name in STREAMING_FILES)
     return Served(directory, manifest, function, max_rows, streaming=StreamingPrograms(
-        params, prefill, step, streaming["cache"], int(manifest["max_len"])))
+        params, prefill, step, score, streaming["cache"], int(manifest["max_len"])))
   return Served(directory, manifest, function, max_rows)
 
 

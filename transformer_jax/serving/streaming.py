@@ -13,6 +13,13 @@ choice at the next step. Each row's cache is written at its own positions
 (sampling.prefill): a choice's text depends neither on the rows beside it nor on when it
 joined (tests/test_streaming.py), and equals what predict writes at the same settings.
 
+A prompt whose log-probabilities are asked for (echo with logprobs: Sampling.score_prompt)
+takes no slot to be scored: up to `slots` such prompts a step go through the model whole
+(sampling.score, a call per length bucket), beside the decoding rows; a choice that draws
+nothing then ends, one that draws a single greedy token takes it from the scores (the one its
+prefill would draw), and any other then waits for a slot as above. Drawn tokens' log-
+probabilities come from the programs that draw them, where a choice asks (Sampling.logprobs).
+
 A step runs the first rows of the batch, a power of two that holds every busy slot, over
 the first positions of the cache, a length bucket that holds every busy row's position
 (slots.py keeps the cache at that shape): one row early in its text costs one row over a
@@ -27,7 +34,7 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Callable, Deque, Iterator, NamedTuple, Sequence
+from typing import Deque, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -35,21 +42,35 @@ from transformer_jax.data.tokenizer import prompt_tail
 from transformer_jax.inputs import bucket_for, power_of_two
 from transformer_jax.serving.metrics import CompileClock, ServerMetrics
 from transformer_jax.serving.slots import DecodingBatch
-
-Decode = Callable[[list[int]], str]    # token ids -> text (the served model's tokenizer)
+from transformer_jax.serving.text_stream import Decode, TextStream
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
   """How a request's choices draw (sampling.py): up to `max_tokens` tokens at `temperature`
   (0: greedy) from the `top_k` likeliest (0: all) within the `top_p` nucleus; `seed` fixes
-  the draws; the text ends before the first of `stops`."""
+  the draws; the text ends before the first of `stops`, or at one of `end_ids` (the
+  request's own end tokens besides the model's: a chat template's end of turn).
+  `logprobs`: each drawn token's log-probability and the likeliest at its place are
+  reported (None: not); `score_prompt`: the prompt's tokens' too (then max_tokens may be
+  0: the prompt is only scored)."""
   max_tokens: int
   temperature: float
   top_k: int
   top_p: float
   seed: int
   stops: tuple[str, ...] = ()
+  end_ids: tuple[int, ...] = ()
+  logprobs: int | None = None
+  score_prompt: bool = False
+
+
+class Logprob(NamedTuple):
+  """A token's reported log-probability (None: a text's first token, which nothing before
+  it predicts), and the likeliest tokens at its place with theirs, likeliest first."""
+  token: int
+  logprob: float | None
+  top: tuple[tuple[int, float], ...]
 
 
 _IDLE = Sampling(1, 0.0, 0, 1.0, 0)     # a row without a choice: greedy, its token unread
@@ -58,49 +79,13 @@ _IDLE = Sampling(1, 0.0, 0, 1.0, 0)     # a row without a choice: greedy, its to
 class Event(NamedTuple):
   """One drawn token of a choice (its index): the text it lets out (empty while held back:
   the start of a stop string, or an incomplete character), and on the choice's last token
-  why it ended ("stop": EOS or a stop string; "length": max_tokens)."""
+  why it ended ("stop": EOS or a stop string; "length": max_tokens); and the log-probabilities
+  reported with it (Sampling.logprobs: the token's, after its prompt's tokens' on a choice's
+  first event where Sampling.score_prompt)."""
   choice: int
   text: str
   finish_reason: str | None
-
-
-class TextStream:
-  """A choice's text as its tokens come: each token's text is let out once it can no longer
-  change (a byte-level tokenizer decodes an incomplete character as U+FFFD) nor begin a stop
-  string; the text ends before the first stop string. The text sent is the choice's text,
-  streamed or not."""
-
-  def __init__(self, decode: Decode, stops: Sequence[str]):
-    self._decode, self._stops = decode, stops
-    self.ids: list[int] = []
-    self.sent = ""
-
-  def add(self, token: int) -> tuple[str, bool]:
-    """The text `token` lets out, and whether a stop string ended the text."""
-    self.ids.append(token)
-    text = self._decode(self.ids)
-    ends = [i for i in (text.find(stop) for stop in self._stops) if i >= 0]
-    if ends:
-      return self._release(text[:min(ends)]), True
-    return self._release(text[:len(text) - self._held(text)]), False
-
-  def finish(self) -> str:
-    """The text held back, now that no token follows."""
-    return self._release(self._decode(self.ids))
-
-  def _held(self, text: str) -> int:
-    """Characters at the end of `text` that may still change or begin a stop string."""
-    incomplete = len(text) - len(text.rstrip("\ufffd"))
-    begun = [k for stop in self._stops for k in range(1, len(stop)) if text.endswith(stop[:k])]
-    return max([incomplete, *begun])
-
-  def _release(self, text: str) -> str:
-    """What `text` adds to the text sent. (A decoding that rewrote text already sent would
-    be let out no further: the text sent stays the choice's text.)"""
-    if not text.startswith(self.sent):
-      return ""
-    added, self.sent = text[len(self.sent):], text
-    return added
+  logprobs: tuple[Logprob, ...] = ()
 
 
 class Choice:
@@ -115,6 +100,9 @@ class Choice:
     self.slot, self.position, self.last = -1, 0, 0   # where and what it feeds next
     self.key = np.zeros(2, np.uint32)
     self.last_at = 0.0                  # time.monotonic() of its last token
+    self.logprobs: list[Logprob] = []   # reported: the prompt's (if scored), then the drawn
+    self.unsent: list[Logprob] = []     # reported, not yet in an event
+    self.scored = not completion.sampling.score_prompt
 
 
 class Completion:
@@ -216,20 +204,83 @@ class StreamBatcher:
 
   # ------------------------------------------------------------------------ admission
   def _admit(self) -> None:
+    """Waiting choices, oldest first, take the free slots; a prompt to score takes none (it
+    is scored first, up to `slots` prompts a step beside the decoding rows); the rows of a
+    completion whose client went away free theirs first."""
     with self._cond:
+      self._rows = [None if row is not None and row.completion.cancelled else row
+                    for row in self._rows]
       free = [slot for slot, row in enumerate(self._rows) if row is None]
       joining: list[Choice] = []
-      while self._waiting and len(joining) < len(free):
-        choice = self._waiting.popleft()
-        if not (choice.completion.cancelled or choice.completion.error):
+      scoring: list[Choice] = []
+      kept: Deque[Choice] = collections.deque()
+      for choice in self._waiting:
+        if choice.completion.cancelled or choice.completion.error:
+          continue
+        if not choice.scored and len(scoring) < self.batch.slots:
+          scoring.append(choice)
+        elif choice.scored and len(joining) < len(free):
           joining.append(choice)
+        else:
+          kept.append(choice)
+      self._waiting = kept
       for choice, slot in zip(joining, free):
         choice.slot, self._rows[slot] = slot, choice
+    if scoring:
+      self._score(scoring)
     groups: dict[int, list[Choice]] = {}
     for choice in joining:
       groups.setdefault(bucket_for(len(choice.prompt), self.buckets), []).append(choice)
     for width, group in sorted(groups.items()):
       self._prefill(group, width)
+
+  def _score(self, choices: list[Choice]) -> None:
+    """The prompts' log-probabilities (sampling.score), in calls of up to score_rows rows of
+    a length bucket. A choice that draws nothing ends; one that draws one token greedily
+    takes it from the scores (the token its prefill would draw); others wait for a slot."""
+    groups: dict[int, list[Choice]] = {}
+    for choice in choices:
+      groups.setdefault(bucket_for(max(len(choice.prompt), 1), self.buckets),
+                        []).append(choice)
+    waiting: list[Choice] = []
+    for width, group in sorted(groups.items()):
+      size = self.batch.score_rows(width)
+      for first in range(0, len(group), size):
+        chunk = group[first:first + size]
+        texts = np.zeros((power_of_two(len(chunk)), width), np.int32)
+        for row, choice in enumerate(chunk):
+          texts[row, :len(choice.prompt)] = choice.prompt
+        texts[len(chunk):] = texts[len(chunk) - 1]     # filler rows repeat the last
+        chosen, ids, values = self.batch.score(texts)
+        now = time.monotonic()
+        for row, choice in enumerate(chunk):
+          if self._scored(choice, chosen[row], ids[row], values[row], now):
+            waiting.append(choice)
+    with self._cond:
+      self._waiting.extendleft(reversed(waiting))
+
+  def _scored(self, choice: Choice, chosen: np.ndarray, ids: np.ndarray, values: np.ndarray,
+              now: float) -> bool:
+    """Reports a scored prompt's log-probabilities with the choice's first event; whether
+    the choice goes on to draw its tokens in a slot."""
+    prompt, sampling = choice.prompt, choice.completion.sampling
+    choice.scored = True
+    choice.unsent = [Logprob(token, None, ()) if t == 0 else
+                     Logprob(token, float(chosen[t]), _top(ids[t - 1], values[t - 1]))
+                     for t, token in enumerate(prompt)]
+    choice.logprobs.extend(choice.unsent)
+    if sampling.max_tokens == 0:
+      choice.finish_reason = "length"
+      choice.completion.put(Event(choice.index, "", "length", tuple(choice.unsent)))
+      return False
+    if sampling.max_tokens == 1 and sampling.temperature == 0 and prompt:
+      last = len(prompt) - 1
+      token = int(ids[last, 0])
+      self.metrics.first_token.observe(now - choice.completion.queued)
+      self._emit(choice, token, now, Logprob(token, float(values[last, 0]),
+                                             _top(ids[last], values[last])))
+      return False
+    return True
 
   def _prefill(self, group: list[Choice], width: int) -> None:
     rows = [*group, *[group[-1]] * (power_of_two(len(group)) - len(group))]
@@ -237,7 +288,7 @@ class StreamBatcher:
     for row, choice in enumerate(rows):
       prompts[row, :len(choice.prompt)] = choice.prompt
     sampling = [c.completion.sampling for c in rows]
-    first, lengths, keys = self.batch.prefill(
+    first, lengths, keys, reported = self.batch.prefill(
         np.array([c.slot for c in rows]), prompts, np.array([s.max_tokens for s in sampling]),
         np.array([s.seed for s in sampling], np.uint32), np.array([c.nth for c in rows]),
         *self._settings(sampling))
@@ -245,19 +296,17 @@ class StreamBatcher:
     for row, choice in enumerate(group):
       choice.position, choice.key = int(lengths[row]), keys[row]
       self.metrics.first_token.observe(now - choice.completion.queued)
-      self._emit(choice, int(first[row]), now)
+      self._emit(choice, int(first[row]), now, _logprob(choice, int(first[row]), reported, row))
 
   @staticmethod
-  def _settings(sampling: Sequence[Sampling]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  def _settings(sampling: Sequence[Sampling]) -> tuple[np.ndarray, ...]:
     return (np.array([s.temperature for s in sampling], np.float32),
             np.array([s.top_k for s in sampling], np.int32),
-            np.array([s.top_p for s in sampling], np.float32))
+            np.array([s.top_p for s in sampling], np.float32),
+            np.array([s.logprobs is not None for s in sampling], np.int32))
 
   # ----------------------------------------------------------------------------- step
   def _step(self) -> None:
-    for slot, row in enumerate(self._rows):
-      if row is not None and row.completion.cancelled:
-        self._free(row)
     busy = [(slot, row) for slot, row in enumerate(self._rows) if row is not None]
     self.metrics.slots_busy.set(len(busy))
     if not busy:
@@ -270,7 +319,8 @@ class StreamBatcher:
       tokens[slot], positions[slot], keys[slot] = row.last, row.position, row.key
       sampling[slot] = row.completion.sampling
     window = bucket_for(int(positions.max()) + 1, self.buckets)
-    drawn = self.batch.step(window, tokens, positions, keys, *self._settings(sampling))
+    drawn, reported = self.batch.step(window, tokens, positions, keys,
+                                      *self._settings(sampling))
     rows, length = self.batch.shape
     self.metrics.cache_rows.set(rows)
     self.metrics.cache_positions.set(length)
@@ -278,16 +328,16 @@ class StreamBatcher:
     for slot, row in busy:
       row.position += 1
       self.metrics.between_tokens.observe(now - row.last_at)
-      self._emit(row, int(drawn[slot]), now)
+      self._emit(row, int(drawn[slot]), now, _logprob(row, int(drawn[slot]), reported, slot))
 
-  def _emit(self, choice: Choice, token: int, now: float) -> None:
-    """Records `token` as `choice`'s next and sends its event; frees the slot of a choice
-    that ended."""
+  def _emit(self, choice: Choice, token: int, now: float, logprob: Logprob | None) -> None:
+    """Records `token` as `choice`'s next and sends its event, with the log-probabilities
+    reported since the last; frees the slot of a choice that ended."""
     choice.drawn += 1
     choice.last, choice.last_at = token, now
     self.metrics.completion_tokens.inc()
     reason: str | None
-    if token in self.end_ids:
+    if token in self.end_ids or token in choice.completion.sampling.end_ids:
       text, reason = choice.text.finish(), "stop"
     else:
       text, stopped = choice.text.add(token)
@@ -297,7 +347,11 @@ class StreamBatcher:
     if reason is not None:
       choice.finish_reason = reason
       self._free(choice)
-    choice.completion.put(Event(choice.index, text, reason))
+    if logprob is not None:
+      choice.logprobs.append(logprob)
+      choice.unsent.append(logprob)
+    choice.completion.put(Event(choice.index, text, reason, tuple(choice.unsent)))
+    choice.unsent = []
 
   def _free(self, choice: Choice) -> None:
     with self._cond:
@@ -313,3 +367,18 @@ class StreamBatcher:
       completion.error = error
       completion.put(None)
     self.batch.reset()
+
+def _top(ids: np.ndarray, values: np.ndarray) -> tuple[tuple[int, float], ...]:
+  """The likeliest tokens and their log-probabilities, those the model may draw (a
+  vocabulary smaller than the top's count leaves the -inf ones out)."""
+  return tuple((int(i), float(v)) for i, v in zip(ids, values) if np.isfinite(v))
+
+
+def _logprob(choice: Choice, token: int, reported: tuple[np.ndarray, ...],
+             row: int) -> Logprob | None:
+  """The reported log-probability of `token`, row `row` of a program's output, where
+  `choice` asks for them."""
+  if choice.completion.sampling.logprobs is None:
+    return None
+  chosen, ids, values = reported
+  return Logprob(token, float(chosen[row]), _top(ids[row], values[row]))

@@ -198,27 +198,33 @@ class LanguageModelTask(TokenPredictingTask):
     return continue_lines
 
   def streaming_programs(self, params: Any, rows: Any, length: Any) -> dict[str, Any]:
-    """sampling.prefill and sampling.step, as the served model's "prefill" and "step":
-    each (function of (params, *inputs), the inputs' shapes) for `rows` rows of `length`
-    tokens, with the KV cache as a flat list of arrays ("cache": their shapes). A server
-    keeps the cache of its decoding batch between them (serving/slots.py)."""
+    """sampling.prefill, sampling.step and sampling.score, as the served model's "prefill",
+    "step" and "score": each (function of (params, *inputs), the inputs' shapes) for `rows`
+    rows of `length` tokens, with the KV cache as a flat list of arrays ("cache": their
+    shapes). A server keeps the cache of its decoding batch between prefill and step
+    (serving/slots.py); score reads prompts' log-probabilities without a cache."""
     model = self.model
     row = lambda dtype, *more: jax.ShapeDtypeStruct((rows, *more), dtype)   # noqa: E731
-    settings = [row(jnp.float32), row(jnp.int32), row(jnp.float32)]   # temperature, k, p
+    # temperature, top_k, top_p, logprobs (the top log-probabilities a row reports)
+    settings = [row(jnp.float32), row(jnp.int32), row(jnp.float32), row(jnp.int32)]
     prefill_inputs = [row(jnp.int32, length), row(jnp.int32), row(jnp.uint32), row(jnp.int32),
                       *settings]          # prompts, max_new_tokens, seeds, choices
     cache, treedef = jax.tree_util.tree_flatten(jax.eval_shape(
         lambda p, *inputs: sampling.prefill(model, p, *inputs)[0], params, *prefill_inputs))
 
     def prefill(params: Any, *inputs: jax.Array) -> tuple[Any, ...]:
-      cache, first, lengths, keys = sampling.prefill(model, params, *inputs)
-      return jax.tree_util.tree_leaves(cache), first, lengths, keys
+      cache, first, lengths, keys, reported = sampling.prefill(model, params, *inputs)
+      return jax.tree_util.tree_leaves(cache), first, lengths, keys, *reported
 
     def step(params: Any, cache: list[jax.Array], *inputs: jax.Array) -> tuple[Any, ...]:
-      cache, drawn = sampling.step(model, params, treedef.unflatten(cache), *inputs)
-      return jax.tree_util.tree_leaves(cache), drawn
+      cache, drawn, reported = sampling.step(model, params, treedef.unflatten(cache), *inputs)
+      return jax.tree_util.tree_leaves(cache), drawn, *reported
+
+    def score(params: Any, texts: jax.Array) -> tuple[Any, ...]:
+      return sampling.score(model, params, texts)
     step_inputs = [cache, row(jnp.int32), row(jnp.int32), row(jnp.uint32, 2), *settings]
-    return {"prefill": (prefill, prefill_inputs), "step": (step, step_inputs), "cache": cache}
+    return {"prefill": (prefill, prefill_inputs), "step": (step, step_inputs),
+            "score": (score, [row(jnp.int32, length)]), "cache": cache}
 
   # ---------------------------------------------------------------- evaluation
   def evaluate(self, params: Any, batches: Sequence[EvalBatch], eval_step: EvalStep,
