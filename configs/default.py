@@ -10,6 +10,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from transformer_jax.config import TransformerConfig
+from transformer_jax.options import LORA_TARGETS
 
 
 def model_defaults() -> dict:
@@ -106,6 +107,10 @@ def get_config() -> ml_collections.ConfigDict:
       dropout_rate=0.1, attention_dropout_rate=0.1,   # the stage's own (BERT's)
       max_length=0,              # tokens per packed row; 0 = data.max_length
       too_long=""))              # a longer training text: "" = data.too_long | split ...
+  # LoRA (docs/pretrained_models.md): rank > 0 fine-tunes init_from's model through adapters
+  # W + alpha/rank * A B of the targeted kernels, the model frozen (lora.py).
+  config.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0,
+                                               targets=LORA_TARGETS))
   return config
 
 

@@ -180,10 +180,12 @@ def test_ctranslate2_generates_the_exports_greedy_ids(llama, tmp_path):
 
 
 @pytest.mark.parametrize("llama", ["untied"], indirect=True)
-def test_fine_tuning_the_import_then_export(llama, tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_fine_tuning_the_import_then_export(llama, lora_rank, tmp_path):
   """Two steps of configs/shakespeare_gpt2.py's recipe with init_from the import (its
   tokenizer, data.tokenizer="hf_tokenizer") change the model; the export of the result loads
-  in transformers and computes what our fine-tuned model does."""
+  in transformers and computes what our fine-tuned model does. With LoRA (lora.rank=4) the
+  workdir holds adapters, and predict and the export both load the merged model."""
   from configs import shakespeare_gpt2
   from transformer_jax.predict import Predictor
   from transformer_jax.training import loop
@@ -195,6 +197,7 @@ def test_fine_tuning_the_import_then_export(llama, tmp_path):
                      checkpoint_every_steps=2, batch_size=8))
   config.model.max_len = 64
   config.optimizer.learning_rate = config.optimizer.end_learning_rate = 1e-2
+  config.lora.rank = lora_rank
   workdir = str(tmp_path / "ft")
   loop.train_and_evaluate(config, workdir)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:

@@ -65,6 +65,7 @@ def _write_tasks(directory: str) -> list[str]:
 def served(tmp_path_factory):
   """The random GPT-2 and its served artifact, on a server."""
   pytest.importorskip("transformers")
+  pytest.importorskip("lm_eval")
   from benchmarks.serve_process import start_server
   from transformer_jax import convert
   from transformer_jax.export import export_stablehlo
@@ -92,7 +93,6 @@ def _samples(model: str, model_args: dict, tasks: list[str], directory: str) -> 
 
 
 def test_lm_eval_scores_the_server_as_its_hf_model_scores_the_checkpoint(served, tmp_path):
-  pytest.importorskip("lm_eval")
   source, server = served
   os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
   tasks = _write_tasks(str(tmp_path))

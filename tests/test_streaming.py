@@ -163,7 +163,7 @@ def test_after_warm_up_no_request_waits_for_a_compilation(model):
   streams = StreamBatcher(DecodingBatch(model.served.streaming, 8, shrink_after=2),
                           model.served.tokenizer.decode,
                           model.served.end_ids, start=False)
-  assert streams.warm_up(24) == (4 + 4 + 1) * 2   # 1, 2, 4, 8 rows, scores; 16 and 24 positions
+  assert streams.warm_up(24) == (4 + 4 + 1) * 2   # 1, 2, 4, 8 rows, scores; 16, 24 positions
   compiled, shapes = CompileClock.seconds(), set()
   for step in range(30):
     if step in (0, 3, 4, 12):

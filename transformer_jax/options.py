@@ -12,9 +12,19 @@ vocabulary sizes come from the data.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
+from typing import Any, ClassVar, Mapping, Sequence
 
 from transformer_jax.errors import UserError
+from transformer_jax.option_checks import TOO_LONG_POLICIES, check_choice
+from transformer_jax.option_checks import GroupOptions as _Options
+from transformer_jax.option_checks import integer as _integer
+from transformer_jax.option_checks import number as _number
+from transformer_jax.option_groups import (  # noqa: F401  (re-exported: the schema's groups)
+  LORA_TARGETS,
+  PRETRAIN_OBJECTIVES,
+  LoraOptions,
+  PretrainOptions,
+)
 from transformer_jax.renamed_fields import upgrade
 
 DATA_SOURCES = ("synthetic", "local", "tfds")
@@ -22,38 +32,13 @@ DATA_SOURCES = ("synthetic", "local", "tfds")
 # schema checks, so that the schema need not import the data package (which imports it).
 SYNTHETIC_TASKS = ("reverse", "sort", "add")
 TOKENIZERS = ("sentencepiece", "words", "chars", "byte_bpe", "hf_tokenizer")  # last 2: imports
-# How a language model reads its text files (tasks/lm.py): the split as one token stream cut
-# into windows of max_length, or its paragraphs as documents packed with segment ids.
-TEXT_LAYOUTS = ("stream", "documents")
-# A training example longer than data.max_length: dropped, truncated (data.truncate says
-# which tokens stay), or split into consecutive pieces of max_length tokens.
-TOO_LONG_POLICIES = ("drop", "truncate", "split")
+# How a language model reads its files (tasks/lm.py): the split as one token stream cut into
+# windows of max_length, its paragraphs as packed documents, or JSONL chat conversations.
+TEXT_LAYOUTS = ("stream", "documents", "chat")
 TRUNCATIONS = ("head", "tail", "head_tail")   # which tokens a truncated example keeps
 SCHEDULES = ("rsqrt", "warmup_cosine", "constant")
-OPTIMIZERS = ("adam", "adamw")
-# The self-pretraining stage's task (training/recipe.py): a masked LM or replaced-token
-# detection; named here so that the schema needs no task import.
-PRETRAIN_OBJECTIVES = ("mlm", "rtd")
+OPTIMIZERS = ("adam", "adamw", "muon")
 NONFINITE_POLICIES = ("stop", "skip")
-O = TypeVar("O", bound="_Options")
-
-
-def _integer(group: str, name: str, value: Any, low: int) -> None:
-  if not isinstance(value, int) or isinstance(value, bool) or value < low:
-    need = "a positive integer" if low == 1 else f"an integer >= {low}"
-    raise UserError(f"{group}{name}={value!r}: must be {need}")
-
-
-def _number(group: str, name: str, value: Any, valid: Callable[[float], bool],
-            need: str) -> None:
-  if not isinstance(value, (int, float)) or isinstance(value, bool) or not valid(value):
-    raise UserError(f"{group}{name}={value!r}: must be {need}")
-
-
-def check_choice(group: str, name: str, value: Any, choices: Sequence[str]) -> None:
-  """`group` is the field's prefix ("data."), so the error names the field as it is set."""
-  if value not in choices:
-    raise UserError(f"{group}{name}={value!r}: must be one of {tuple(choices)}")
 
 
 def check_synthetic(task: str, min_length: int, max_length: int) -> None:
@@ -66,17 +51,6 @@ def check_synthetic(task: str, min_length: int, max_length: int) -> None:
 
 
 REDUCTION_DTYPES = ("auto", "bfloat16", "float32")
-
-
-class _Options:
-  """A config group: `from_dict` builds it from a mapping, ignoring keys that are not its
-  fields (saved configs of other versions; the group's own fields are checked here)."""
-  GROUP = ""
-
-  @classmethod
-  def from_dict(cls: type[O], values: Mapping[str, Any] | None) -> O:
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    return cls(**{k: v for k, v in dict(values or {}).items() if k in names})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +122,7 @@ class DataOptions(_Options):
   text_of: str = ""                         # mlm: the task whose files hold the text
   extra_text: str = ""                      # mlm: a file of one text per line, added to train
                                            # (a name in dir, or a path from dir or absolute)
-  layout: str = "stream"                    # lm: "stream" or "documents" (TEXT_LAYOUTS)
+  layout: str = "stream"                    # lm: "stream", "documents", "chat" (TEXT_LAYOUTS)
   pack: bool = True
   max_segments: int = 0
   eval_max_length: int = 128
@@ -191,7 +165,9 @@ class DataOptions(_Options):
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerOptions(_Options):
-  """Adam or AdamW (paper: Adam(0.9, 0.98, 1e-9)) on a schedule peaking at `learning_rate`
+  """Adam, AdamW (paper: Adam(0.9, 0.98, 1e-9)) or Muon (the hidden matrices at
+  `muon_learning_rate` with `muon_momentum`, AdamW for the rest; training/optimizers.py) on
+  a schedule peaking at `learning_rate`
   (rsqrt with learning_rate <= 0: the paper's peak), gradients clipped to global norm
   `clip_grad_norm` (0: off). `pretrained_rate_scale`: init_from a pretrained encoder, the
   carried modules learn at this fraction of the fresh head's rate."""
@@ -207,9 +183,15 @@ class OptimizerOptions(_Options):
   end_learning_rate: float = 0.0       # warmup_cosine: the rate at the last step
   decay_matrices_only: bool = False    # adamw: no decay of vectors (biases, norm scales)
   pretrained_rate_scale: float = 1.0
+  muon_learning_rate: float = 0.02     # muon: the hidden matrices' peak rate
+  muon_momentum: float = 0.95          # muon: its momentum (Nesterov)
 
   def __post_init__(self) -> None:
     check_choice("optimizer.", "name", self.name, OPTIMIZERS)
+    _number("optimizer.", "muon_learning_rate", self.muon_learning_rate, lambda v: v > 0,
+            "a number > 0")
+    _number("optimizer.", "muon_momentum", self.muon_momentum, lambda v: 0 <= v < 1,
+            "in [0, 1)")
     if not 0 < self.pretrained_rate_scale <= 1:
       raise UserError(f"optimizer.pretrained_rate_scale={self.pretrained_rate_scale}: must "
                       "be in (0, 1] (a fraction of the head's rate)")
@@ -255,44 +237,6 @@ class DistributedOptions(_Options):
   coordinator_address: str = ""
   num_processes: int = 0
   process_id: int = -1
-
-
-@dataclasses.dataclass(frozen=True)
-class PretrainOptions(_Options):
-  """Self-pretraining (training/recipe.py; docs/pretraining.md): with `enabled`, `train.py`
-  first trains the `objective`'s task ("mlm", or ELECTRA's replaced-token detection "rtd",
-  its discriminator loss weighing `discriminator_weight` times the generator's) on the run's
-  training text (plus the lines of `extra_text`) in W/pretrain, with its own vocabulary,
-  steps, batch, rate, dropout, row length and too_long (0 or "": the run's), then
-  fine-tunes from it in W. `mask_rate`: the share of tokens the model predicts."""
-  enabled: bool = False
-  objective: str = "mlm"
-  discriminator_weight: float = 50.0
-  num_train_steps: int = 2000
-  batch_size: int = 0
-  learning_rate: float = 0.0
-  warmup_steps: int = 500
-  mask_rate: float = 0.15
-  vocab_size: int = 0
-  extra_text: str = ""
-  dropout_rate: float = 0.1
-  attention_dropout_rate: float = 0.1
-  max_length: int = 0
-  too_long: str = ""
-
-  def __post_init__(self) -> None:
-    check_choice("pretrain.", "too_long", self.too_long, ("", *TOO_LONG_POLICIES))
-    check_choice("pretrain.", "objective", self.objective, PRETRAIN_OBJECTIVES)
-    _number("pretrain.", "discriminator_weight", self.discriminator_weight, lambda v: v > 0,
-            "a number > 0")
-    for name, low in (("num_train_steps", 1), ("batch_size", 0), ("warmup_steps", 0),
-                      ("vocab_size", 0), ("max_length", 0)):
-      _integer("pretrain.", name, getattr(self, name), low)
-    _number("pretrain.", "learning_rate", self.learning_rate, lambda v: v >= 0,
-            ">= 0 (0: the run's optimizer.learning_rate)")
-    _number("pretrain.", "mask_rate", self.mask_rate, lambda v: 0 < v < 1, "in (0, 1)")
-    for name in ("dropout_rate", "attention_dropout_rate"):
-      _number("pretrain.", name, getattr(self, name), lambda v: 0 <= v < 1, "in [0, 1)")
 
 
 _POSITIVE_FIELDS = ("num_train_steps", "log_every_steps", "eval_every_steps",
@@ -357,12 +301,13 @@ class RunOptions:
   mesh: MeshOptions
   distributed: DistributedOptions
   pretrain: PretrainOptions
+  lora: LoraOptions
   as_given: Mapping[str, Any]
 
   GROUPS: ClassVar[dict[str, type[_Options]]] = {
       "data": DataOptions, "optimizer": OptimizerOptions, "decode": DecodeOptions,
       "eval": EvalOptions, "mesh": MeshOptions, "distributed": DistributedOptions,
-      "pretrain": PretrainOptions}
+      "pretrain": PretrainOptions, "lora": LoraOptions}
 
   @classmethod
   def from_config(cls, config: Any) -> "RunOptions":

@@ -164,7 +164,12 @@ def shardings_for(boxed_tree: Any, mesh: Mesh,
                   rules: tuple = LOGICAL_AXIS_RULES) -> Any:
   """NamedShardings for a pytree whose leaves are logically partitioned boxes (as from
   `jax.eval_shape` of an init that keeps Flax's boxes) or plain arrays (replicated)."""
-  logical = nn.get_partition_spec(boxed_tree)
+  def logical_spec(x: Any) -> Any:
+    if isinstance(x, nn.meta.AxisMetadata) and not jax.tree_util.tree_leaves(x.unbox()):
+      return x.unbox()    # a box around no array: a masked optimizer state's (Muon's) there
+    return nn.get_partition_spec(x)
+  logical = jax.tree_util.tree_map(logical_spec, boxed_tree,
+                                   is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
   mesh_specs = nn.logical_to_mesh(logical, rules)
   shapes = nn.meta.unbox(boxed_tree)
   unfit: list[str] = []

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from transformer_jax import decoding, sharding
+from transformer_jax import decoding, lora, sharding
 from transformer_jax.aot.targets import UsageError
 from transformer_jax.data.sources import training_widths
 from transformer_jax.data.synthetic import SyntheticData
@@ -120,6 +120,7 @@ def build_programs(config: Any, mesh: jax.sharding.Mesh,
   experiment = experiment_for(options, mesh)
   model_cfg = experiment.model_config
   state, state_sharding = experiment.abstract_state()
+  params = lora.base(state.params)   # what evaluation and decoding take (LoRA's merged)
   src_len, tgt_len = training_widths(options.data)
   synthetic = options.data.synthetic
   programs = []
@@ -136,7 +137,7 @@ def build_programs(config: Any, mesh: jax.sharding.Mesh,
   eval_rows = -(-experiment.eval.batch_size // ways) * ways
   if "eval_step" in names:
     programs.append(Program("eval_step", experiment.eval_step(state_sharding.params),
-                            (state.params, _batch(experiment, synthetic, eval_rows, eval_src,
+                            (params, _batch(experiment, synthetic, eval_rows, eval_src,
                                                     eval_tgt)),
                             *_counts(experiment, eval_rows, eval_src, eval_tgt, training=False)))
   if "decode" in names and decoder_only(experiment):
@@ -144,7 +145,7 @@ def build_programs(config: Any, mesh: jax.sharding.Mesh,
     continuations = jax.jit(experiment.task.serving_function(experiment.decode))
     prompts = jax.ShapeDtypeStruct((experiment.eval.batch_size, eval_src), jnp.int32,
                                    sharding=sharding.replicated(mesh))
-    programs.append(Program("decode", continuations, (state.params, prompts), None, None))
+    programs.append(Program("decode", continuations, (params, prompts), None, None))
   elif "decode" in names:
     decode = experiment.decode
     max_length = min(eval_tgt + decode.max_extra_length, model_cfg.max_len)
@@ -152,7 +153,7 @@ def build_programs(config: Any, mesh: jax.sharding.Mesh,
                                   rows=sharding.batch_sharding(mesh))
     src = jax.ShapeDtypeStruct((experiment.eval.batch_size, eval_src), jnp.int32,
                                sharding=sharding.replicated(mesh))
-    programs.append(Program("decode", fn, (state.params, src), None, None))
+    programs.append(Program("decode", fn, (params, src), None, None))
   return programs
 
 

@@ -8,7 +8,8 @@ loads. A `ModelRecord` is the JSON of a checkpoint or snapshot: path, step, run 
 text assets.
 
 A training checkpoint is one Orbax composite checkpoint with the items
-  params     (arrays) the model parameters
+  params     (arrays) the model parameters (a LoRA run's: its adapters; its config's
+             init_from names the base, and every reader gets them merged: lora.py)
   train      (arrays) {"step", "opt_state", "rng"}
   data       (JSON)   the training data's position, get_state(): the same on every host
   config     (JSON)   the resolved run config, as in W/config.json

@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
+from transformer_jax import lora
 from transformer_jax.checkpoint.manifest import (
   DamagedCheckpointError,
   IncompatibleCheckpointError,
@@ -37,7 +38,7 @@ from transformer_jax.checkpoint.manifest import (
 from transformer_jax.checkpoint.writing import Saves
 from transformer_jax.data.tokenizer import TextAssets, load_tokenizer_item
 from transformer_jax.errors import MissingFileError
-from transformer_jax.options import TrainOptions
+from transformer_jax.options import LoraOptions, TrainOptions
 from transformer_jax.renamed_fields import upgrade
 from transformer_jax.trees import unflatten
 
@@ -62,19 +63,58 @@ def read_record(path: str) -> ModelRecord:
   """The JSON items of a checkpoint or snapshot (no arrays are read): its ModelRecord."""
   json = read(epath.Path(path), manifest=ocp.args.JsonRestore(), config=ocp.args.JsonRestore(),
               tokenizer=ocp.args.JsonRestore())
-  manifest = json["manifest"]
+  manifest, adapted = json["manifest"], _lora_of(json["config"], path)
   return ModelRecord(path=str(path), step=int(manifest["step"]), config=json["config"],
                assets=load_tokenizer_item(json["tokenizer"]),
                averaged_steps=list(manifest.get("averaged_steps", [manifest["step"]])),
-               modules=sorted({leaf.split("/")[0] for leaf in manifest["leaves"]["params"]}))
+               modules=read_record(adapted[1]).modules if adapted else
+               sorted({leaf.split("/")[0] for leaf in manifest["leaves"]["params"]}))
+
+
+# A LoRA run's checkpoint holds its adapters and names its base (lora.py): whatever reads a
+# saved model's parameters gets them merged into that base, so inference sees a plain model.
+def _lora_of(config: dict, where: Any = None) -> tuple[LoraOptions, str] | None:
+  """(the LoRA options, the base's path) of a LoRA run's config (`where`: its checkpoint's
+  path, whose base must exist), else None."""
+  config = upgrade(config)
+  options = LoraOptions.from_dict(config.get("lora"))
+  if not options.rank:
+    return None
+  base = TrainOptions.from_dict(config).init_from
+  if where is not None and "://" not in base and not os.path.isdir(base):
+    raise IncompatibleCheckpointError(f"{where} holds LoRA adapters of the model at "
+                                      f"init_from={base!r}, which is gone; put it back there")
+  return options, base
+
+
+def without_lora(config: dict) -> dict:
+  """A run config whose parameters are plain (merged): its LoRA off."""
+  return {**config, "lora": {**config["lora"], "rank": 0}} if _lora_of(config) else config
+
+
+def _merged(path: epath.Path, base: Any, adapters: Any, options: LoraOptions) -> Any:
+  try:
+    return lora.merge_placed(base, adapters, options)
+  except ValueError as e:
+    raise IncompatibleCheckpointError(f"{path}: its LoRA adapters do not fit the base its "
+                                      f"config names (init_from): {e}") from None
 
 
 def restore_params(path: str, abstract_params: Any | None = None) -> Any:
   """The verified parameters of a checkpoint or snapshot. With `abstract_params` (a tree of
   ShapeDtypeStructs) they are restored to its structure and shardings, else as saved, on
-  the default device."""
+  the default device. A LoRA run's are its adapters merged into its base."""
   path = epath.Path(path)
-  manifest = read(path, manifest=ocp.args.JsonRestore())["manifest"]
+  json = read(path, manifest=ocp.args.JsonRestore(), config=ocp.args.JsonRestore())
+  manifest, adapted = json["manifest"], _lora_of(json["config"], path)
+  if adapted:   # the adapters replicated where the base's arrays are
+    base = restore_params(adapted[1], abstract_params)
+    placed = getattr(jax.tree_util.tree_leaves(base)[0], "sharding",   # host arrays: none
+                     jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    if isinstance(placed, jax.sharding.NamedSharding):
+      placed = jax.sharding.NamedSharding(placed.mesh, jax.sharding.PartitionSpec())
+    adapters = _verified_params(path, manifest, _saved_shapes(manifest, placed), alone=False)
+    return _merged(path, base, adapters, adapted[0])
   if abstract_params is not None:
     saved = without_fingerprints(manifest["leaves"]["params"])
     expected = signature(abstract_params)
@@ -92,13 +132,20 @@ def _host_params(path: str) -> Any:
   alone. Each array is read whole onto one of its devices: with the sharding it was saved
   with, part of it would belong to the other processes, which are not reading along."""
   path = epath.Path(path)
-  manifest = read(path, alone=True, manifest=ocp.args.JsonRestore())["manifest"]
+  json = read(path, alone=True, manifest=ocp.args.JsonRestore(), config=ocp.args.JsonRestore())
+  manifest, adapted = json["manifest"], _lora_of(json["config"], path)
   here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  target = unflatten({name: jax.ShapeDtypeStruct(leaf["shape"], jnp.dtype(leaf["dtype"]),
-                                                 sharding=here)
-                      for name, leaf in manifest["leaves"]["params"].items()})
-  params = _verified_params(path, manifest, target, alone=True)
+  params = _verified_params(path, manifest, _saved_shapes(manifest, here), alone=True)
+  if adapted:
+    params = _merged(path, _host_params(adapted[1]), params, adapted[0])
   return jax.tree_util.tree_map(np.asarray, params)
+
+
+def _saved_shapes(manifest: dict, placed: jax.sharding.Sharding) -> Any:
+  """The saved parameters' shapes, placed as `placed` says."""
+  return unflatten({name: jax.ShapeDtypeStruct(leaf["shape"], jnp.dtype(leaf["dtype"]),
+                                               sharding=placed)
+                    for name, leaf in manifest["leaves"]["params"].items()})
 
 
 def _verified_params(path: epath.Path, manifest: dict, target: Any | None, alone: bool) -> Any:
@@ -168,18 +215,19 @@ def write_average(checkpoint_dir: str, steps: Sequence[int], output: str) -> str
   paths = [absolute(checkpoint_dir) / str(s) for s in steps]
   newest = read(paths[-1], alone=True, manifest=ocp.args.JsonRestore(),
                 config=ocp.args.JsonRestore(), tokenizer=ocp.args.JsonRestore())
-  total = None
+  total, shapes = None, None
   for path in paths:
-    params = _host_params(str(path))
-    if signature(params) != without_fingerprints(newest["manifest"]["leaves"]["params"]):
+    params = _host_params(str(path))   # a LoRA run's: merged, so the snapshot is plain
+    shapes = shapes or signature(params)
+    if signature(params) != shapes:
       raise IncompatibleCheckpointError(
-          f"cannot average {path} with {paths[-1]}: their parameters differ in shape")
+          f"cannot average {path} with {paths[0]}: their parameters differ in shape")
     as64 = jax.tree_util.tree_map(lambda x: x.astype(np.float64), params)
     total = as64 if total is None else jax.tree_util.tree_map(np.add, total, as64)
   # The mean is taken in float64 and rounded once to each parameter's dtype.
   mean = jax.tree_util.tree_map(lambda t, p: (t / len(paths)).astype(p.dtype), total, params)
-  return write_snapshot(str(output_path), mean, newest["config"], newest["tokenizer"], steps,
-                        alone=True)
+  return write_snapshot(str(output_path), mean, without_lora(newest["config"]),
+                        newest["tokenizer"], steps, alone=True)
 
 
 def write_snapshot(output: str, params: Any, run_config: dict, tokenizer: dict,

@@ -99,6 +99,7 @@ class HFTokenizer:
     self._theirs = np.full(self.vocab_size, -1, np.int64)
     self._theirs[self._ours] = np.arange(self.size)
     self.add_bos = self._adds_bos()
+    self._untrimmed: Any = None   # encode_with_offsets' copy, made on first use
 
   def _id_of(self, token: str, name: str) -> int:
     found = self._tokenizer.token_to_id(token)
@@ -141,6 +142,17 @@ class HFTokenizer:
   def encode(self, text: str) -> list[int]:
     ids = self._tokenizer.encode(text, add_special_tokens=False).ids
     return self.to_ours(ids).tolist()
+
+  def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """`encode(text)` and each token's (start, end) characters of `text`. The offsets are
+    the model's and pre-tokenizer's, untrimmed: a post-processor that trims them (GPT-2's
+    ByteLevel) would leave a whitespace token an empty span, so it is left out here (with
+    no special tokens added it changes no id)."""
+    if self._untrimmed is None:
+      self._untrimmed = tokenizers_package().Tokenizer.from_str(self.tokenizer_json)
+      self._untrimmed.post_processor = None
+    encoding = self._untrimmed.encode(text, add_special_tokens=False)
+    return self.to_ours(encoding.ids).tolist(), [tuple(o) for o in encoding.offsets]
 
   def decode(self, ids: Sequence[int]) -> str:
     kept = [int(i) for i in ids if int(i) >= FIRST_TOKEN]

@@ -27,6 +27,8 @@ def check_data_for_task(task: Any, data: DataOptions) -> None:
     raise UserError(f"data.source='synthetic' makes {RECORD_KEYS} pairs, which a "
                     f"{task.name} task cannot read; use data.source=local or tfds")
   data.check_tokenizer_for(task.name, task.tokenizer_kinds)
+  if not data.synthetic:
+    task.check_data(data)
   if not data.synthetic and data.too_long == "split" and not task.can_split:
     raise UserError(f"data.too_long='split' cuts an example into pieces along its tokens, "
                     f"which a {task.name} task's examples cannot be: use 'truncate' or 'drop'")

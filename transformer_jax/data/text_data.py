@@ -194,6 +194,7 @@ class TextData:
     trainer's setup asks for it; a reader of a finished workdir need not)."""
     self.labels, self.description = corpus.labels, corpus.description
     self._corpus, self._config, self._seed = corpus, data_config, seed
+    self._prepared: dict[str, tuple[Any, Sequence[dict]]] = {}   # split: (task, records)
     corpus.check_splits(data_config.split_names)   # All data read before anything is saved.
     self.tokenizer, self.target_tokenizer, origin = load_or_train_tokenizers(
         task, corpus, data_config, seed, workdir, tokenizers, check_identity)
@@ -208,6 +209,15 @@ class TextData:
     """The records of `split`, as read."""
     return self._corpus.split(split)
 
+  def _task_records(self, task: Any, split: str) -> Sequence[dict]:
+    """The records of `split` as `task` prepares them (once; see RecordPreparing)."""
+    records = self._corpus.split(split)
+    if not isinstance(task, RecordPreparing):
+      return records
+    if split not in self._prepared or self._prepared[split][0] is not task:
+      self._prepared[split] = (task, task.prepare_records(records))
+    return self._prepared[split][1]
+
   @property
   def max_length(self) -> int:
     return max(self._config.max_length, self._config.eval_max_length)
@@ -221,15 +231,16 @@ class TextData:
     c = self._config
     shard_index = jax.process_index() if shard_index is None else shard_index
     shard_count = jax.process_count() if shard_count is None else shard_count
+    records = self._task_records(task, c.train_split)
     if _reads_stream(task, c):
-      stream = task.token_stream(self._corpus.split(c.train_split))
+      stream = task.token_stream(records)
       window = functools.partial(task.stream_window, stream, length=c.max_length)
       return pipeline.window_iterator(
           -(-len(stream) // c.max_length), window, batch_size=batch_size, seed=self._seed,
           shard_index=shard_index, shard_count=shard_count, num_epochs=num_epochs,
           prefetch=c.prefetch)
     return pipeline.train_iterator(
-        self._corpus.split(c.train_split), task,
+        records, task,
         batch_size=batch_size, max_length=c.max_length, seed=self._seed,
         too_long=c.too_long, truncate=c.truncate, pack=c.pack, max_segments=c.max_segments,
         shard_index=shard_index, shard_count=shard_count, num_epochs=num_epochs,
@@ -238,7 +249,7 @@ class TextData:
   def eval_batches(self, task: pipeline.Featurizing, split: str, batch_size: int,
                    limit: int = 0) -> list[pipeline.EvalBatch]:
     """The first `limit` examples of `split` (all if 0), bucketed by length."""
-    records = self._corpus.split(split)
+    records = self._task_records(task, split)
     if _reads_stream(task, self._config):
       return task.eval_windows(records, batch_size, self._config.eval_max_length, limit)
     count = len(records) if limit <= 0 else min(limit, len(records))
@@ -251,6 +262,15 @@ class TextData:
             f"data.eval_max_length={self._config.eval_max_length} tokens and were truncated "
             f"(data.truncate={self._config.truncate!r})")
     return batches
+
+
+@runtime_checkable
+class RecordPreparing(Protocol):
+  """A task that makes a split's records ready once, before its first batch (tasks/lm.py:
+  each chat conversation rendered and encoded, so that one its template refuses is named
+  before the first step, and no template is rendered again each epoch)."""
+
+  def prepare_records(self, records: Sequence[dict]) -> Sequence[dict]: ...
 
 
 @runtime_checkable

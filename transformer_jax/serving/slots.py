@@ -13,8 +13,8 @@ prefill.jax_exported and step.jax_exported):
   step(params, cache of B rows x W positions, tokens (B,), positions (B,), keys (B, 2),
        temperature (B,), top_k (B,), top_p (B,), logprobs (B,))
       -> (the cache, next tokens (B,), *reported)
-  score(params, texts (R, S) right-padded) -> (each token's log-probability (R, S), the
-       likeliest next ids (R, S, K) and their log-probabilities (R, S, K))
+  score(params, texts (R, S) right-padded, logprobs (R,)) -> (each token's log-probability
+       (R, S), the likeliest next ids (R, S, K) and their log-probabilities (R, S, K))
 
 `reported` (sampling.reported): each drawn token's log-probability (R,) and the likeliest
 ids (R, K) and their log-probabilities (R, K), computed where a row's logprobs > 0.
@@ -192,16 +192,19 @@ class DecodingBatch:
     """The rows a score call of texts `width` tokens wide takes at most (SCORE_TOKENS)."""
     return min(self.slots, power_of_two(max(1, SCORE_TOKENS // width) + 1) // 2)
 
-  def score(self, texts: np.ndarray) -> Reported:
-    """sampling.score of texts (R, S), right-padded with PAD; R at most score_rows(S)."""
-    return _host(self._score(self.programs.params, texts.astype(np.int32)))
+  def score(self, texts: np.ndarray, logprobs: np.ndarray) -> Reported:
+    """sampling.score of texts (R, S), right-padded with PAD, R at most score_rows(S), each
+    reporting its `logprobs` (R,) likeliest tokens at each place."""
+    return _host(self._score(self.programs.params, texts.astype(np.int32),
+                             logprobs.astype(np.int32)))
 
   def warm_up(self, widths: list[int]) -> int:
     """Compiles the model's programs for the shapes texts of up to widths[-1] tokens use:
     the prefill for each count of rows that may join at once and each prompt width in
     `widths`, the step for each cache shape of those widths; and the cache's own small
-    programs: a new row's write into each cache shape, each resize between them. Returns
-    how many shapes of the model's programs. Leaves an empty cache."""
+    programs: a new row's write into each cache shape, each resize between them; and the
+    score program at each width. Returns how many shapes of the model's programs. Leaves an
+    empty cache."""
     joining = sorted({power_of_two(n) for n in range(1, self.slots + 1)})
     new_rows = {}
     for rows in joining:
@@ -226,7 +229,8 @@ class DecodingBatch:
           self.reset(rows, length)
           self._resize_to(*other)
     for width in widths:
-      self.score(np.zeros((self.score_rows(width), width), np.int32))
+      rows = self.score_rows(width)
+      self.score(np.zeros((rows, width), np.int32), np.zeros(rows, np.int32))
     self.reset()
     return (len(joining) + len(self.row_sizes) + 1) * len(widths)
 

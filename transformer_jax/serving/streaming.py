@@ -251,7 +251,8 @@ class StreamBatcher:
         for row, choice in enumerate(chunk):
           texts[row, :len(choice.prompt)] = choice.prompt
         texts[len(chunk):] = texts[len(chunk) - 1]     # filler rows repeat the last
-        chosen, ids, values = self.batch.score(texts)
+        wanted = np.array([c.completion.sampling.logprobs or 0 for c in chunk])
+        chosen, ids, values = self.batch.score(texts, np.resize(wanted, len(texts)))
         now = time.monotonic()
         for row, choice in enumerate(chunk):
           if self._scored(choice, chosen[row], ids[row], values[row], now):

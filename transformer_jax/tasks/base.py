@@ -126,6 +126,11 @@ class Task(abc.ABC):
 
   # ------------------------------------------------------------ data (class level)
   @classmethod
+  def check_data(cls, data: DataOptions) -> None:
+    """Raises UserError naming a `data` field whose value the task cannot read (before
+    any data is read; sources.check_data_for_task)."""
+
+  @classmethod
   @abc.abstractmethod
   def local_splits(cls, directory: str, splits: Sequence[str],
                    data: DataOptions) -> tuple[dict[str, Callable[[], Sequence[dict]]],

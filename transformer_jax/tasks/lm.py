@@ -10,6 +10,12 @@ the file's pieces at its blank lines, which join back into the whole file. data.
   before it.
 - "documents": each paragraph (a record, stripped) is BOS + text -> text + EOS, packed into
   rows with segment ids (a longer one is cut into pieces under data.too_long="split").
+- "chat" (supervised fine-tuning of an import's chat model): `{split}.jsonl`, one
+  conversation a line (data/chat_data.py), rendered with the model's chat template and
+  encoded once before the first step (`prepare_records`); its ids but the last predict its
+  ids but the first, packed as documents are, and the targets that are not an assistant's
+  tokens are PAD, so the loss, accuracy and bits per character count the assistant's
+  tokens only (and every packed example keeps its own).
 
 Batch keys: inputs, targets, positions, segment_ids. A prompt line (predict, serving) is
 its text as the model's tokenizer encodes a prompt (`data.tokenizer.prompt_ids`: BOS first
@@ -22,6 +28,7 @@ continuation, written the same way. A prompt longer than the context keeps its l
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any, Callable, Mapping, Sequence
@@ -33,8 +40,10 @@ import numpy as np
 from transformer_jax import sampling
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, TransformerConfig
 from transformer_jax.data import readers
+from transformer_jax.data.chat_data import ChatEncoder, assistant_texts, read_chat_jsonl
 from transformer_jax.data.pipeline import EvalBatch as PipelineBatch
 from transformer_jax.data.tokenizer import prompt_ids, prompt_tail
+from transformer_jax.errors import UserError
 from transformer_jax.modules.models import LanguageModel
 from transformer_jax.options import DataOptions, DecodeOptions
 from transformer_jax.serving.line_policy import LinePolicy, escape_line
@@ -70,7 +79,7 @@ class LanguageModelTask(TokenPredictingTask):
   record_keys = ("text",)
   sequence_keys = ("inputs", "targets")
   token_keys = {"inputs": "source"}
-  counted_keys = ("targets",)
+  counted_keys = ("inputs",)   # as many as the targets, but a chat's are not all trained
   metric_names = ("loss", "accuracy", "perplexity", "bits_per_character")
   # byte_bpe, hf_tokenizer: an import's (GPT-2's, Llama's), through init_from
   tokenizer_kinds = ("chars", "sentencepiece", "byte_bpe", "hf_tokenizer")
@@ -81,10 +90,22 @@ class LanguageModelTask(TokenPredictingTask):
 
   # ---------------------------------------------------------------------- data
   @classmethod
+  def check_data(cls, data: DataOptions) -> None:
+    """Conversations need the chat template of an import's tokenizer, from local files."""
+    if data.layout == "chat" and (data.source, data.tokenizer) != ("local", "hf_tokenizer"):
+      raise UserError(f"data.layout='chat' reads local JSONL conversations with an import's "
+                      f"chat template: set data.source='local' and data.tokenizer="
+                      f"'hf_tokenizer' (not {data.source!r}, {data.tokenizer!r}), with "
+                      "init_from the import")
+
+  @classmethod
   def local_splits(cls, directory: str, splits: Sequence[str], data: DataOptions):
-    """`{split}.txt[.gz]`: the stream's pieces, or the paragraphs as documents."""
+    """`{split}.txt[.gz]`: the stream's pieces, or the paragraphs as documents;
+    `{split}.jsonl[.gz]`: conversations."""
     def loader(split: str) -> Callable[[], Sequence[dict]]:
       def load() -> list[dict]:
+        if data.layout == "chat":
+          return read_chat_jsonl(readers.find_file(directory, f"{split}.jsonl"))
         records = text_pieces(read_text_file(readers.find_file(directory, f"{split}.txt")))
         if data.layout == "documents":
           records = [{"text": r["text"].strip()} for r in records if r["text"].strip()]
@@ -107,17 +128,38 @@ class LanguageModelTask(TokenPredictingTask):
     """A prompt (its escapes already read by the line policy)."""
     return {"prompt": line}
 
+  @functools.cached_property
+  def chat_encoder(self) -> ChatEncoder:
+    """The tokenizer's chat template, for conversations (UserError where it has none)."""
+    return ChatEncoder(self.tokenizer)
+
+  def prepare_records(self, records: Sequence[dict]) -> Sequence[dict]:
+    """Conversations with their ids and weights ("tokens", "weights"): each rendered and
+    encoded once, and any the template refuses named, before the first step. Other records
+    as they are."""
+    if not records or "messages" not in records[0]:
+      return records
+    encoder = self.chat_encoder
+    return [dict(r, **dict(zip(("tokens", "weights"), encoder.encode(r)))) for r in records]
+
   def featurize(self, record: dict) -> Example:
-    """A document: BOS + text -> text + EOS. A prompt: its `prompt_ids` (its targets
-    mirror them: a prompt predicts nothing, but a batch has both keys)."""
+    """A document: BOS + text -> text + EOS. A conversation: its ids but the last -> its
+    ids but the first, PAD where not an assistant's. A prompt: its `prompt_ids` (its
+    targets mirror them: a prompt predicts nothing, but a batch has both keys)."""
     if "prompt" in record:
       prompt = ids(prompt_ids(self.tokenizer, record["prompt"]))
       return {"inputs": prompt, "targets": prompt}
+    if "messages" in record:
+      tokens, weights = ((record["tokens"], record["weights"]) if "tokens" in record
+                         else self.chat_encoder.encode(record))
+      return {"inputs": ids(tokens[:-1]),
+              "targets": ids(np.where(weights[1:] > 0, tokens[1:], PAD_ID))}
     tokens = self.tokenizer.encode(record["text"])
     return {"inputs": ids([BOS_ID] + tokens), "targets": ids(tokens + [EOS_ID])}
 
   def is_empty(self, example: Example) -> bool:
-    return len(example["targets"]) <= 1
+    """No text, or (a conversation) no assistant token to learn."""
+    return len(example["targets"]) <= 1 or not example["targets"].any()
 
   def truncate(self, example: Example, length: int, keep: str = "tail") -> Example:
     """The last `length` tokens, after the first where the inputs start with BOS (a
@@ -168,8 +210,9 @@ class LanguageModelTask(TokenPredictingTask):
 
   # ---------------------------------------------------------------- generation
   def continue_prompts(self, params: Any, prompts: Sequence[np.ndarray],
-                       decode: DecodeOptions) -> list[str]:
-    """Each prompt's (its `prompt_ids`) continuation as text (sampling.generate)."""
+                       decode: DecodeOptions, end_ids: tuple[int, ...] = ()) -> list[str]:
+    """Each prompt's (its `prompt_ids`) continuation as text (sampling.generate), up to
+    an end id of the model's or of `end_ids`."""
     sampling.check_room(self.model_config, decode.max_new_tokens)
     width = max([len(p) for p in prompts] + [1])
     rows = np.zeros((len(prompts), width), np.int32)
@@ -178,7 +221,7 @@ class LanguageModelTask(TokenPredictingTask):
     run = sampling.compiled_generate(self.model_config, decode.max_new_tokens)
     out = run(params, rows, decode.temperature, decode.top_k, decode.top_p, decode.seed)
     return [self.tokenizer.decode(t)
-            for t in sampling.continuations(out, self.model_config.end_ids)]
+            for t in sampling.continuations(out, self.model_config.end_ids + end_ids)]
 
   def predict(self, params: Any, batch: Mapping[str, np.ndarray],
               decode: DecodeOptions) -> list[str]:
@@ -220,11 +263,11 @@ class LanguageModelTask(TokenPredictingTask):
       cache, drawn, reported = sampling.step(model, params, treedef.unflatten(cache), *inputs)
       return jax.tree_util.tree_leaves(cache), drawn, *reported
 
-    def score(params: Any, texts: jax.Array) -> tuple[Any, ...]:
-      return sampling.score(model, params, texts)
+    def score(params: Any, texts: jax.Array, logprobs: jax.Array) -> tuple[Any, ...]:
+      return sampling.score(model, params, texts, logprobs)
     step_inputs = [cache, row(jnp.int32), row(jnp.int32), row(jnp.uint32, 2), *settings]
     return {"prefill": (prefill, prefill_inputs), "step": (step, step_inputs),
-            "score": (score, [row(jnp.int32, length)]), "cache": cache}
+            "score": (score, [row(jnp.int32, length), row(jnp.int32)]), "cache": cache}
 
   # ---------------------------------------------------------------- evaluation
   def evaluate(self, params: Any, batches: Sequence[EvalBatch], eval_step: EvalStep,
@@ -240,17 +283,25 @@ class LanguageModelTask(TokenPredictingTask):
 
   def _samples(self, params: Any, batches: Sequence[EvalBatch], decode: DecodeOptions,
                count: int = 3, prompt_tokens: int = 32) -> Samples:
-    rows = [(b.arrays["inputs"][i], r) for b in batches for i, r in enumerate(b.records)]
-    rows = [(row[:min(prompt_tokens, int((row != PAD_ID).sum()))], r) for row, r in rows[:count]]
+    """The first rows' opening tokens continued, beside the text; a conversation's turns
+    before its first reply answered (up to the end of turn), beside that reply."""
+    rows = [(b.arrays["inputs"][i], b.arrays["targets"][i], r)
+            for b in batches for i, r in enumerate(b.records)][:count]
     if not rows:
       return []
+    chat = "messages" in rows[0][2]
+    prompts = [x[:int(np.argmax(y != PAD_ID)) + 1] if chat
+               else x[:min(prompt_tokens, int((x != PAD_ID).sum()))] for x, y, _ in rows]
+    turn_end = self.chat_encoder.end_of_turn if chat else None
     decode = dataclasses.replace(
         decode, max_new_tokens=min(decode.max_new_tokens, self.model_config.max_len // 2))
-    outputs = self.continue_prompts(params, [p for p, _ in rows], decode)
+    outputs = self.continue_prompts(params, prompts, decode,
+                                    () if turn_end is None else (turn_end,))
     samples = []
-    for (prompt, record), output in zip(rows, outputs):
+    for prompt, (_, _, record), output in zip(prompts, rows, outputs):
       shown = self.tokenizer.decode(prompt)
-      reference = record["text"][len(shown):len(shown) + len(output)]
+      reference = ((assistant_texts(record["messages"]) or [""])[0] if chat
+                   else record["text"][len(shown):len(shown) + len(output)])
       samples.append((escape_line(shown), escape_line(output), escape_line(reference)))
     return samples
 

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from transformer_jax import sharding
+from transformer_jax import lora, sharding
 from transformer_jax.training.experiment import Experiment
 
 Samples = list[tuple[str, str, str]]   # (input, output, reference)
@@ -31,7 +31,8 @@ def _global_eval_step(eval_step: Any, mesh: Any) -> Any:
 
 class Evaluator:
   """Evaluation of one split's batches (see Experiment.eval_batches): `__call__(params)`
-  gives the task's metrics, prefixed ("eval/", "test/"), and samples."""
+  gives the task's metrics, prefixed ("eval/", "test/"), and samples. A LoRA state's
+  parameters are merged once per call (lora.py), in the base's shardings."""
 
   def __init__(self, experiment: Experiment, batches: list, eval_step: Any,
                prefix: str = "eval"):
@@ -40,5 +41,7 @@ class Evaluator:
 
   def __call__(self, params: Any) -> tuple[dict[str, float], Samples]:
     e = self.experiment
+    if lora.is_adapted(params):
+      params = lora.merge_placed(params["base"], params["adapters"], e.lora)
     metrics, samples = e.task.evaluate(params, self.batches, self.eval_step, e.decode)
     return {f"{self.prefix}/{k}": v for k, v in metrics.items()}, samples

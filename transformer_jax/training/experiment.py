@@ -16,11 +16,12 @@ import dataclasses
 import os
 from typing import Any, Callable, Sequence
 
+import flax.linen as nn
 import jax
 import optax
 from jax.sharding import Mesh
 
-from transformer_jax import checkpoint, sharding, tasks
+from transformer_jax import checkpoint, lora, sharding, tasks
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.readers import parse_labels
 from transformer_jax.data.sources import check_data_for_task, make_source, training_width
@@ -32,6 +33,7 @@ from transformer_jax.options import (
   DataOptions,
   DecodeOptions,
   EvalOptions,
+  LoraOptions,
   RunOptions,
   TrainOptions,
 )
@@ -64,6 +66,9 @@ def validate(options: RunOptions, task: type[Task]) -> None:
                   None if options.data.synthetic else options.data.tokenizer)
   check_data_for_task(task, options.data)
   width = training_width(options.data)
+  if options.lora.rank and not train.init_from:
+    raise UserError(f"lora.rank={options.lora.rank} adapts a pretrained model: set "
+                    "config.init_from to its export or checkpoint (or lora.rank=0)")
   max_len = options.model.get("max_len")
   if isinstance(max_len, int) and max_len < width:
     raise UserError(f"model.max_len={max_len} is below the {width} tokens of the "
@@ -143,6 +148,17 @@ def _pretrained(train: TrainOptions, task: type[Task]) -> checkpoint.ModelRecord
     raise UserError(f"init_from={path!r} holds a {saved_task} model; "
                      f"this run's task is {task.name}")
   return dataclasses.replace(model, config=saved)
+
+
+def _check_lora(options: LoraOptions, pretrained: checkpoint.ModelRecord,
+                task: type[Task]) -> None:
+  """LoRA adapts a whole model of the run's task (a fresh head would have to be trained
+  too), on the kernels its targets name."""
+  saved_task = TrainOptions.from_dict(pretrained.config).task
+  if saved_task != task.name:
+    raise UserError(f"lora.rank={options.rank}: init_from={pretrained.path!r} holds a "
+                    f"{saved_task} model; LoRA adapts a {task.name} model (or set lora.rank=0)")
+  lora.check(options, pretrained.config.get("model", {}))
 
 
 def _check_same_text_assets(pretrained: checkpoint.ModelRecord, source: Any) -> None:
@@ -240,6 +256,8 @@ class Experiment:
         options.model.get("sliding_window", defaults["sliding_window"].default),
         on=mesh.devices.flat[0].platform)
     pretrained = _pretrained(train, task_cls)
+    if options.lora.rank and pretrained:
+      _check_lora(options.lora, pretrained, task_cls)
     source = None
     if data:
       given = pretrained and (pretrained.assets.tokenizer, pretrained.assets.target_tokenizer)
@@ -263,6 +281,8 @@ class Experiment:
                     label_smoothing=train.label_smoothing, head=head)
     schedule = make_schedule(options.optimizer, model_cfg.d_model, train.num_train_steps)
     optimizer = make_optimizer(options.optimizer, schedule, _carried_modules(task, pretrained))
+    if options.lora.rank:   # the adapters trained, the base frozen
+      optimizer = lora.freeze_base(optimizer)
     return cls(options, task, source, mesh, schedule, optimizer, pretrained)
 
   @property
@@ -281,16 +301,27 @@ class Experiment:
   def model_config(self) -> TransformerConfig:
     return self.task.model_config
 
+  @property
+  def lora(self) -> LoraOptions | None:
+    """The LoRA options of a LoRA run (lora.rank > 0), else None."""
+    return self.options.lora if self.options.lora.rank else None
+
   def resolved_config(self) -> dict[str, Any]:
     """The config as run: its model group with the vocabulary sizes and head options."""
     resolved = dict(self.options.as_given)
     resolved["model"] = {**self.model_config.to_dict(), **self.task.head}
+    path = self.train.init_from
+    if self.lora and "://" not in path:   # the base the checkpoints name, from any directory
+      resolved["init_from"] = os.path.abspath(path)
     return resolved
 
   # ------------------------------------------------------------------------ state
   def _new_state(self) -> TrainState:
-    return new_train_state(self.task.init_params(jax.random.PRNGKey(self.train.seed)),
-                           self.optimizer, self.train.seed)
+    params = self.task.init_params(jax.random.PRNGKey(self.train.seed))
+    if self.lora:   # fresh adapters (their own key) beside the base that init_from replaces
+      key = jax.random.fold_in(jax.random.PRNGKey(self.train.seed), 1)
+      params = lora.adapted(params, lora.init_adapters(nn.meta.unbox(params), self.lora, key))
+    return new_train_state(params, self.optimizer, self.train.seed)
 
   def init_state(self) -> tuple[TrainState, Any]:
     """The initial state, created under jit in its final shardings (no device ever holds
@@ -321,12 +352,14 @@ class Experiment:
 
   def initial_params(self, fresh: Any) -> tuple[Any, list[str]]:
     """The pretrained parameters (init_from), restored straight into their shardings (the
-    state's: the same rules on the same mesh), and [] (all of them). A model of another
-    task (a pretraining task's) gives only the modules both models have (the encoder, its
-    character features), whose names come second; the others stay as in `fresh`."""
+    state's: the same rules on the same mesh), and [] (all of them); a LoRA state's base
+    (its adapters stay those of `fresh`). A model of another task (a pretraining task's)
+    gives only the modules both models have (the encoder, its character features), whose
+    names come second; the others stay as in `fresh`."""
     if TrainOptions.from_dict(self.pretrained.config).task == self.task.name:
       abstract, _ = self.abstract_params()
-      return checkpoint.restore_params(self.pretrained.path, abstract), []
+      params = checkpoint.restore_params(self.pretrained.path, abstract)
+      return lora.with_base(fresh, params), []
     return _carry_modules(fresh, checkpoint.restore_params(self.pretrained.path),
                           self.pretrained.path)
 
@@ -337,11 +370,14 @@ class Experiment:
                            self.train.grad_accum_steps, state_sharding,
                            sharding.batch_sharding(self.mesh),
                            split_gradients_over_data=self.options.mesh.shard_optimizer_state,
-                           reduce_gradients_in=self.options.mesh.reduce_gradients_in)
+                           reduce_gradients_in=self.options.mesh.reduce_gradients_in,
+                           lora_options=self.lora)
 
   def eval_step(self, params_sharding: Any) -> Callable:
-    """The jitted teacher-forced step `(params, global batch) -> sums`."""
-    return make_eval_step(self.task, params_sharding, sharding.batch_sharding(self.mesh))
+    """The jitted teacher-forced step `(params, global batch) -> sums`, of the model's
+    parameters (a LoRA state's merged: `params_sharding` may be the state's)."""
+    return make_eval_step(self.task, lora.base(params_sharding),
+                          sharding.batch_sharding(self.mesh))
 
   def eval_batches(self, split: str, limit: int = 0) -> list:
     """The first `limit` examples of `split` (all if 0) in static-shape batches of

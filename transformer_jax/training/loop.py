@@ -200,15 +200,17 @@ def _train(options: RunOptions, workdir: str, clock: RunClock) -> dict[str, floa
     restored = checkpoints.restore(checkpoint_arrays(sharding.abstract(state)))
     if restored is not None:
       _check_data_position(restored)
-      state = state_from_checkpoint(restored.arrays)
+      state = state_from_checkpoint(restored.arrays, state)
       batches.set_state(restored.data_state)
       print(f"resumed from step {restored.step}")
-    elif experiment.pretrained:     # Fine-tuning: the pretrained weights, a fresh optimizer.
+    # Fine-tuning: the pretrained weights, a fresh optimizer; a LoRA run's frozen base on a
+    # resume too (its checkpoints hold the adapters and name the base: lora.py).
+    if experiment.pretrained and (restored is None or experiment.lora):
       params, carried = experiment.initial_params(state.params)
       state = state.replace(params=params)
       what = f" {', '.join(carried)} (the rest fresh)" if carried else ""
-      print(f"initialised{what} from {experiment.pretrained.path} (step "
-            f"{experiment.pretrained.step})")
+      print(f"{'LoRA of the model' if experiment.lora else 'initialised' + what} from "
+            f"{experiment.pretrained.path} (step {experiment.pretrained.step})")
     start_step = int(state.step)
     _write_run_files(workdir, experiment.resolved_config())
     train_step = experiment.train_step(state_sharding)

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from transformer_jax import lora
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -39,13 +41,19 @@ def create_train_state(params: Any, optimizer: optax.GradientTransformation,
 # its items (params, and train = everything else), so the on-disk layout stays fixed.
 def checkpoint_arrays(state: TrainState) -> dict[str, Any]:
   """The arrays a training checkpoint holds: {"params": ..., "train": {"step", "opt_state",
-  "rng"}}. Works on a state of ShapeDtypeStructs too (what to restore into)."""
-  return {"params": state.params,
+  "rng"}}. Works on a state of ShapeDtypeStructs too (what to restore into). A LoRA state's
+  params item is its adapters alone: its frozen base is init_from's, which the run config
+  names (lora.py)."""
+  return {"params": lora.trainable(state.params),
           "train": {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}}
 
 
-def state_from_checkpoint(arrays: dict[str, Any]) -> TrainState:
-  """The TrainState of a checkpoint's arrays (the inverse of `checkpoint_arrays`)."""
+def state_from_checkpoint(arrays: dict[str, Any], current: TrainState | None = None
+                          ) -> TrainState:
+  """The TrainState of a checkpoint's arrays (the inverse of `checkpoint_arrays`);
+  `current`: the state they replace, whose LoRA base (if any) they lack."""
   train = arrays["train"]
-  return TrainState(step=train["step"], params=arrays["params"],
-                    opt_state=train["opt_state"], rng=train["rng"])
+  params = arrays["params"] if current is None else lora.with_trainable(current.params,
+                                                                       arrays["params"])
+  return TrainState(step=train["step"], params=params, opt_state=train["opt_state"],
+                    rng=train["rng"])

@@ -9,19 +9,24 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from transformer_jax import sharding
+from transformer_jax import lora, sharding
+from transformer_jax.options import LoraOptions
 from transformer_jax.training.state import TrainState
 
 
 def _grads_and_sums(task: Any, params: Any, batch: dict, rng: jax.Array,
-                    grad_accum_steps: int) -> tuple[Any, dict]:
-  """Gradient of the summed loss and the summed statistics; with accumulation, the batch is
-  split into micro-batches scanned in sequence, so the result equals the full batch's."""
+                    grad_accum_steps: int, lora_options: LoraOptions | None = None
+                    ) -> tuple[Any, dict]:
+  """Gradient of the summed loss with respect to the trained parameters (a LoRA state's
+  adapters, merged as `lora_options` say: lora.py; else all) and the summed statistics;
+  with accumulation, the batch is split into micro-batches scanned in sequence, so the
+  result equals the full batch's."""
   def micro(mb, key):
-    def loss(p):
-      s = task.loss_sums(p, mb, key, True)
+    def loss(trained):
+      s = task.loss_sums(lora.model_params(lora.with_trainable(params, trained), lora_options),
+                         mb, key, True)
       return s["loss"], s
-    (_, sums), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    (_, sums), grads = jax.value_and_grad(loss, has_aux=True)(lora.trainable(params))
     return grads, sums
 
   if grad_accum_steps == 1:
@@ -53,7 +58,8 @@ def _grads_and_sums(task: Any, params: Any, batch: dict, rng: jax.Array,
 
 
 def _summed_over_replicas(task: Any, grad_accum_steps: int, dtype: str, params_sharding: Any,
-                          batch_sharding: Any, split: bool) -> Callable:
+                          batch_sharding: Any, split: bool,
+                          lora_options: LoraOptions | None) -> Callable:
   """`_grads_and_sums` with each replica's gradient summed explicitly in `dtype` (shard_map
   over the batch axes; the parameters are replicated). With `split` (ZeRO-1) a gradient
   that the optimizer state splits over data is reduce-scattered into that split instead of
@@ -61,8 +67,9 @@ def _summed_over_replicas(task: Any, grad_accum_steps: int, dtype: str, params_s
   differ from the partitioner's (one key)."""
   def grads_and_sums(params: Any, batch: dict, rng: jax.Array) -> tuple[Any, dict]:
     specs = jax.tree_util.tree_map(lambda s: s.spec, params_sharding)
-    out_specs = (jax.tree_util.tree_map(lambda s: s.spec, sharding.split_over_data(
-        params_sharding, params)) if split else specs)
+    trained = lora.trainable(params_sharding)    # the gradients' layout
+    out_specs = jax.tree_util.tree_map(lambda s: s.spec, sharding.split_over_data(
+        trained, lora.trainable(params)) if split else trained)
 
     def reduce(g: jax.Array, spec: P) -> jax.Array:
       on = [i for i, axes in enumerate(spec) if axes and "data" in axes]
@@ -74,7 +81,8 @@ def _summed_over_replicas(task: Any, grad_accum_steps: int, dtype: str, params_s
     def local(params: Any, batch: dict, rng: jax.Array) -> tuple[Any, dict]:
       rng = jax.random.fold_in(rng, jax.lax.axis_index("data"))
       with sharding.per_device():
-        grads, sums = _grads_and_sums(task, params, batch, rng, grad_accum_steps)
+        grads, sums = _grads_and_sums(task, params, batch, rng, grad_accum_steps,
+                                      lora_options)
       grads = jax.tree_util.tree_map(reduce, grads, out_specs,
                                      is_leaf=lambda x: isinstance(x, P))
       return grads, jax.lax.psum(sums, sharding.BATCH_AXES)
@@ -91,7 +99,8 @@ def make_train_step(task: Any, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, grad_accum_steps: int = 1,
                     state_sharding: Any = None, batch_sharding: Any = None,
                     split_gradients_over_data: bool = False,
-                    reduce_gradients_in: str = "auto") -> Callable:
+                    reduce_gradients_in: str = "auto",
+                    lora_options: LoraOptions | None = None) -> Callable:
   """Returns jitted `(state, batch) -> (state, metrics)` with the state buffers donated.
   With shardings (see sharding.py) the state keeps its layout from step to step. With
   `split_gradients_over_data` (ZeRO-1: the optimizer state split over data) the gradients
@@ -100,7 +109,9 @@ def make_train_step(task: Any, optimizer: optax.GradientTransformation,
   "all-reduce-scatter"s; on the CPU it all-reduces and slices; with `reduce_gradients_in`
   set, they are reduce-scattered by hand). With
   `reduce_gradients_in` "bfloat16" or "float32" (shardings required, parameters replicated)
-  the replicas' gradients are summed explicitly in that dtype (options.MeshOptions).
+  the replicas' gradients are summed explicitly in that dtype (options.MeshOptions). With
+  `lora_options` (a LoRA state, lora.py) only the adapters are differentiated: the base gets no
+  gradient, and `optimizer` (lora.freeze_base) no update of it.
 
   A step whose loss or gradient is not finite leaves params and optimizer state unchanged
   and reports metrics["nonfinite"] = 1; the loop decides whether to stop or go on.
@@ -109,11 +120,11 @@ def make_train_step(task: Any, optimizer: optax.GradientTransformation,
     raise ValueError(f"grad_accum_steps={grad_accum_steps}: must be >= 1")
   if reduce_gradients_in == "auto":
     grads_and_sums = lambda params, batch, rng: _grads_and_sums(task, params, batch, rng,
-                                                                grad_accum_steps)
+                                                                grad_accum_steps, lora_options)
   else:
     grads_and_sums = _summed_over_replicas(task, grad_accum_steps, reduce_gradients_in,
                                            state_sharding.params, batch_sharding,
-                                           split_gradients_over_data)
+                                           split_gradients_over_data, lora_options)
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng = jax.random.fold_in(state.rng, state.step)
@@ -124,10 +135,11 @@ def make_train_step(task: Any, optimizer: optax.GradientTransformation,
       grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
     if split_gradients_over_data:
       grads = jax.lax.with_sharding_constraint(
-          grads, sharding.split_over_data(state_sharding.params, grads))
+          grads, sharding.split_over_data(lora.trainable(state_sharding.params), grads))
     with jax.named_scope("optimizer"):   # a profile's (and aot.roofline's) family
       grad_norm = optax.tree.norm(grads)
-      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      updates, opt_state = optimizer.update(lora.full_gradient(state.params, grads),
+                                            state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       # A select, not a lax.cond: XLA fuses it into the update, while a branch around the
       # update costs copies of the state (XLA's estimate for big on v5p-8: 46.5 ms a step
