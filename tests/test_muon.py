@@ -66,16 +66,9 @@ def test_a_hidden_matrix_update_is_orthogonalised():
   assert spreads["muon"] < 1.8 < spreads["adam"], spreads
 
 
-def _sharded_steps(mesh, steps: int, state=None):
+def _fresh(mesh):
   init = lambda: new_train_state(TASK.init_params(jax.random.PRNGKey(0)), MUON, 0)  # noqa: E731
-  fresh, state_sharding = sharding.create_sharded(init, mesh)
-  step = make_train_step(TASK, MUON, SCHEDULE, 1, state_sharding, sharding.batch_sharding(mesh))
-  state = fresh if state is None else state
-  losses = []
-  for _ in range(steps):
-    state, metrics = step(state, sharding.to_global(_batch(), mesh))
-    losses.append(float(metrics["loss"]))
-  return state, losses, fresh
+  return sharding.create_sharded(init, mesh)
 
 
 @needs_8_devices
@@ -90,21 +83,28 @@ def test_muon_shards_as_adam_does_and_resumes_exactly(tmp_path):
     losses.append(float(metrics["loss"]))
   assert losses[-1] < losses[0]
   mesh = sharding.make_mesh(dict(data=2, fsdp=2, tensor=2))
-  straight, sharded_losses, _ = _sharded_steps(mesh, 4)
+  sharded, state_sharding = _fresh(mesh)
+  sharded_step = make_train_step(TASK, MUON, SCHEDULE, 1, state_sharding,
+                                 sharding.batch_sharding(mesh))     # compiled once
+  checkpoints = TrainCheckpoints(str(tmp_path / "ckpt"), {"run": 1}, {"kind": "test"})
+  sharded_losses = []
+  for at in range(4):
+    if at == 2:
+      checkpoints.save(2, checkpoint_arrays(sharded), {"position": 2})
+      checkpoints.wait()
+    sharded, metrics = sharded_step(sharded, sharding.to_global(_batch(), mesh))
+    sharded_losses.append(float(metrics["loss"]))
   np.testing.assert_allclose(sharded_losses, losses, rtol=1e-4)
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(straight.params))[0],
+  straight = jax.device_get(sharded)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(straight.params)[0],
                           jax.tree_util.tree_leaves(jax.device_get(state.params))):
     if "['key']['bias']" not in jax.tree_util.keystr(path):   # rounding noise (test_sharding)
       assert_close(a, b, atol=2e-5, rtol=1e-4)
-  half, _, fresh = _sharded_steps(mesh, 2)
-  checkpoints = TrainCheckpoints(str(tmp_path / "ckpt"), {"run": 1}, {"kind": "test"})
-  checkpoints.save(2, checkpoint_arrays(half), {"position": 2})
-  checkpoints.wait()
-  restored = state_from_checkpoint(checkpoints.restore(checkpoint_arrays(fresh)).arrays)
+  resumed = state_from_checkpoint(checkpoints.restore(checkpoint_arrays(_fresh(mesh)[0])).arrays)
   checkpoints.close()
-  resumed, _, _ = _sharded_steps(mesh, 2, restored)
-  jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(resumed),
-                         jax.device_get(straight))
+  for _ in range(2):
+    resumed, _ = sharded_step(resumed, sharding.to_global(_batch(), mesh))
+  jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(resumed), straight)
 
 
 def test_muon_fields_are_checked():
