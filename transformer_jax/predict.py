@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import os
 import sys
-from typing import Any, BinaryIO, Iterable, TextIO
+from typing import Any, BinaryIO, Iterable, TextIO, cast
 
 import flax.linen as nn
 import jax
@@ -44,11 +44,11 @@ from transformer_jax.config import EOS_ID
 from transformer_jax.data import pipeline
 from transformer_jax.errors import MissingFileError, UserError
 from transformer_jax.files import atomic_output
-from transformer_jax.inputs import InputError, bucket_for, bucket_lengths
+from transformer_jax.inputs import InputError
 from transformer_jax.modules import kernels
 from transformer_jax.options import DataOptions, DecodeOptions, TrainOptions
 from transformer_jax.renamed_fields import upgrade
-from transformer_jax.sampling import check_room, compiled_generate, continuations
+from transformer_jax.sampling import check_room
 from transformer_jax.serving.line_policy import (
   TOO_LONG_CHOICES,
   LineReader,
@@ -202,15 +202,9 @@ class Predictor:
                          f"{decode.max_new_tokens}: shorten the line or ask for fewer tokens")
       prompts.append(ids)
     end = end_of_turn(template, tokenizer.encode)   # ends the answer, as the server's does
-    extra = () if end is None or end in (EOS_ID, *cfg.end_ids) else (end,)
-    ends = cfg.end_ids + extra
-    width = bucket_for(max(map(len, prompts)), bucket_lengths(cfg.max_len))   # one compile
-    rows = np.zeros((len(prompts), width), np.int32)
-    for row, ids in enumerate(prompts):
-      rows[row, :len(ids)] = ids
-    run = compiled_generate(cfg.replace(end_ids=ends), decode.max_new_tokens)
-    out = run(self.params, rows, decode.temperature, decode.top_k, decode.top_p, decode.seed)
-    return [escape_line(tokenizer.decode(t)) for t in continuations(out, ends)]
+    extra = () if end is None or end == EOS_ID else (end,)
+    return [escape_line(text) for text in
+            cast(Any, self.task).continue_prompts(self.params, prompts, decode, extra)]
 
   def _stitched(self, batches: list[pipeline.EvalBatch], lengths: dict[int, int],
                 outputs: list[str], decode: DecodeOptions) -> list[str]:

@@ -44,6 +44,13 @@ def banned_ids(config: TransformerConfig) -> tuple[int, ...]:
   return (PAD_ID, BOS_ID, UNK_ID)
 
 
+def _without(logits: Array, banned: tuple[int, ...]) -> Array:
+  """Logits (..., V) with the `banned` ids at -inf: a select against a (V,) mask, which XLA
+  fuses into what reads the logits (a scatter into them would copy a scoring call's)."""
+  allowed = jnp.ones((logits.shape[-1],), bool).at[jnp.array(banned)].set(False)
+  return jnp.where(allowed, logits, -jnp.inf)
+
+
 def _per_row(value: Any, rows: int) -> Array:
   """A setting given once or per row (B,) as a (B, 1) column."""
   return jnp.broadcast_to(jnp.asarray(value), (rows,))[:, None]
@@ -107,7 +114,7 @@ def _draw(logits: Array, keys: Array, position: Any, temperature: Any, top_k: An
   of the vocabulary, cost as much as a small model's step (benchmarks/RESULTS.md, "Serving
   a language model")."""
   rows = logits.shape[0]
-  logits = logits.at[:, jnp.array(banned)].set(-jnp.inf)
+  logits = _without(logits, banned)
   greedy = jnp.argmax(logits, -1).astype(jnp.int32)
   temperature = _per_row(temperature, rows)[:, 0]
 
@@ -255,7 +262,7 @@ def _log_softmax(logits: Array, banned: tuple[int, ...]) -> Array:
   """The model's log-probabilities over the tokens it may draw: before temperature and any
   cut, as vLLM reports them; the ids without a token excluded, as transformers' model,
   which has no rows for them, excludes them."""
-  logits = logits.astype(jnp.float32).at[..., jnp.array(banned)].set(-jnp.inf)
+  logits = _without(logits.astype(jnp.float32), banned)
   return jax.nn.log_softmax(logits, axis=-1)
 
 
@@ -288,9 +295,7 @@ def score(model: LanguageModel, params: Any, rows: Array, logprobs: Array) -> Re
   `logprobs` (R,) asks for more: a top-k over the vocabulary at every position costs as
   much as the log-softmax itself (GPT-2's, 1,024 positions on a CPU: 400 ms)."""
   logits = cast(Array, model.apply({"params": params}, rows)).astype(jnp.float32)
-  allowed = jnp.ones((logits.shape[-1],), bool).at[jnp.array(banned_ids(model.config))].set(
-      False)
-  logits = jnp.where(allowed, logits, -jnp.inf)       # fused: no copy of the logits
+  logits = _without(logits, banned_ids(model.config))
   total = jax.nn.logsumexp(logits, axis=-1)           # (R, S)
   batch, width = rows.shape
   positions = jnp.arange(width)[None]

@@ -211,17 +211,19 @@ class LanguageModelTask(TokenPredictingTask):
   # ---------------------------------------------------------------- generation
   def continue_prompts(self, params: Any, prompts: Sequence[np.ndarray],
                        decode: DecodeOptions, end_ids: tuple[int, ...] = ()) -> list[str]:
-    """Each prompt's (its `prompt_ids`) continuation as text (sampling.generate), up to
-    an end id of the model's or of `end_ids`."""
+    """Each prompt's (its `prompt_ids`) continuation as text (sampling.generate), which
+    stops at an end id of the model's or of `end_ids` (a chat template's end of turn)."""
     sampling.check_room(self.model_config, decode.max_new_tokens)
     width = max([len(p) for p in prompts] + [1])
     rows = np.zeros((len(prompts), width), np.int32)
     for b, prompt in enumerate(prompts):
       rows[b, :len(prompt)] = prompt
-    run = sampling.compiled_generate(self.model_config, decode.max_new_tokens)
+    ends = self.model_config.end_ids + tuple(e for e in end_ids
+                                             if e not in self.model_config.end_ids)
+    run = sampling.compiled_generate(self.model_config.replace(end_ids=ends),
+                                     decode.max_new_tokens)
     out = run(params, rows, decode.temperature, decode.top_k, decode.top_p, decode.seed)
-    return [self.tokenizer.decode(t)
-            for t in sampling.continuations(out, self.model_config.end_ids + end_ids)]
+    return [self.tokenizer.decode(t) for t in sampling.continuations(out, ends)]
 
   def predict(self, params: Any, batch: Mapping[str, np.ndarray],
               decode: DecodeOptions) -> list[str]:
