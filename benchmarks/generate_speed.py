@@ -26,6 +26,7 @@ quiet machine).
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -35,6 +36,7 @@ from typing import Any, Callable
 from absl import flags
 
 from benchmarks import common
+from benchmarks.llama_shapes import SHAPES, word_level_tokenizer
 from transformer_jax import errors
 
 FLAGS = flags.FLAGS
@@ -56,21 +58,6 @@ def define_flags() -> None:
 
 
 # --------------------------------------------------------------------------- the models
-def _word_level_tokenizer(size: int, specials: dict[int, str],
-                          template: str | None = None) -> str:
-  """tokenizer.json of a word-level tokenizer with `size` ids (`specials` at theirs): the
-  converter needs a tokenizer of the model's vocabulary; prompts here are ids, not text."""
-  from tokenizers import Tokenizer, models, processors
-  vocab = {specials.get(i, f"t{i}"): i for i in range(size)}
-  tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=specials.get(0, "t0")))
-  tokenizer.add_special_tokens(list(specials.values()))
-  if template:
-    bos = template.split()[0]
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=template, special_tokens=[(bos, vocab[bos])])
-  return tokenizer.to_str()
-
-
 def gpt2_small(config: Any = None) -> tuple[Any, Any, Any, Any]:
   """(transformers model, our config, our params, tokenizer): GPT-2 small's shape (124M
   parameters: 12 layers, 768 wide, 50,257 tokens, 1,024 positions; or `config`'s, a
@@ -83,84 +70,23 @@ def gpt2_small(config: Any = None) -> tuple[Any, Any, Any, Any]:
   config = config or transformers.GPT2Config()
   torch.manual_seed(0)
   model = transformers.GPT2LMHeadModel(config).eval()
-  tokenizer = ByteLevelBPE(_word_level_tokenizer(config.vocab_size,
-                                                 {config.vocab_size - 1: END_OF_TEXT}))
+  tokenizer = ByteLevelBPE(word_level_tokenizer(config.vocab_size, {config.vocab_size - 1: END_OF_TEXT}))
   ours = gpt2.config_from_hf(config.to_dict(), tokenizer, "gpt2_small")
   state = {k: v.numpy() for k, v in model.state_dict().items()}
   return model, ours, gpt2.state_to_params(state, ours, tokenizer, "gpt2_small"), tokenizer
 
 
-def _llama_shaped(config: Any, model_class: Any, family: Any, tokens: dict[str, tuple[int, str]],
-                  template: str | None, source: str) -> tuple[Any, Any, Any, Any]:
-  """(transformers model, our config, our params, tokenizer) of a Llama-shaped `config`
-  (`model_class`'s, converted with `family`, a convert.hf_lm.Family), random weights; its
-  tokenizer's special tokens are `tokens` ({"eos_token": (id, piece), ...}), and `template`
-  (e.g. "<s> $A") adds a BOS before each text."""
+def llama_shaped(name: str) -> tuple[Any, Any, Any, Any]:
+  """(transformers model, our config, our params, tokenizer) of a shape of
+  benchmarks/llama_shapes.py, random weights (converted with its family)."""
   import torch
-
-  from transformer_jax.data.hf_tokenizer import HFTokenizer
+  shape = SHAPES[name]
   torch.manual_seed(0)
-  model = model_class(config).eval()
-  specials = {i: piece for i, piece in tokens.values()}
-  tokenizer = HFTokenizer(_word_level_tokenizer(config.vocab_size, specials, template),
-                          {name: piece for name, (_, piece) in tokens.items()})
-  hf = {**config.to_dict(), "model_type": config.model_type}
-  ours = family.config_from_hf(hf, tokenizer, source)
+  model = shape.model_class()(shape.hf_config()).eval()
+  tokenizer = shape.tokenizer()
+  ours = shape.our_config(tokenizer)
   state = {k: v.numpy() for k, v in model.state_dict().items()}
-  return model, ours, family.state_to_params(state, ours, tokenizer, source), tokenizer
-
-
-def tinyllama() -> tuple[Any, Any, Any, Any]:
-  """TinyLlama 1.1B's shape (22 layers, 2,048 wide, 32 heads and 4 key/value heads, SwiGLU
-  5,632, 32,000 tokens, 2,048 positions, untied lm_head; <s> before each text)."""
-  import transformers
-
-  from transformer_jax.convert import llama
-  config = transformers.LlamaConfig(
-      vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
-      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
-      eos_token_id=2)
-  tokens = {"unk_token": (0, "<unk>"), "bos_token": (1, "<s>"), "eos_token": (2, "</s>")}
-  return _llama_shaped(config, transformers.LlamaForCausalLM, llama.FAMILY, tokens,
-                       "<s> $A", "tinyllama")
-
-
-def qwen25_05b() -> tuple[Any, Any, Any, Any]:
-  """Qwen2.5-0.5B's shape (24 layers, 896 wide, 14 heads and 2 key/value heads, q/k/v
-  biases, SwiGLU 4,864, 151,936 tokens, 32,768 positions, rope_theta 1e6, tied lm_head; no
-  BOS, <|endoftext|> its EOS)."""
-  import transformers
-
-  from transformer_jax.convert import qwen
-  config = transformers.Qwen2Config(
-      vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-      rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
-      bos_token_id=151643, eos_token_id=151643)
-  return _llama_shaped(config, transformers.Qwen2ForCausalLM, qwen.FAMILY_QWEN2,
-                       {"eos_token": (151643, "<|endoftext|>")}, None, "qwen2.5-0.5b")
-
-
-def llama32_1b() -> tuple[Any, Any, Any, Any]:
-  """Llama-3.2-1B's shape (16 layers, 2,048 wide, 32 heads of 64 and 8 key/value heads,
-  SwiGLU 8,192, 128,256 tokens, 131,072 positions, "llama3" rope scaling, tied lm_head;
-  <|begin_of_text|> before each text)."""
-  import transformers
-
-  from transformer_jax.convert import llama
-  rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
-  config = transformers.LlamaConfig(
-      vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-      num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-      max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=rope,
-      tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001)
-  tokens = {"bos_token": (128000, "<|begin_of_text|>"),
-            "eos_token": (128001, "<|end_of_text|>")}
-  return _llama_shaped(config, transformers.LlamaForCausalLM, llama.FAMILY, tokens,
-                       "<|begin_of_text|> $A", "llama3.2-1b")
+  return model, ours, shape.converter().state_to_params(state, ours, tokenizer, name), tokenizer
 
 
 def tiny() -> tuple[Any, Any, Any, Any]:
@@ -172,8 +98,9 @@ def tiny() -> tuple[Any, Any, Any, Any]:
 
 
 BUILDERS: dict[str, Callable[[], tuple[Any, Any, Any, Any]]] = {
-    "gpt2": gpt2_small, "tinyllama": tinyllama, "qwen2.5-0.5b": qwen25_05b,
-    "llama3.2-1b": llama32_1b, "tiny": tiny}
+    "gpt2": gpt2_small, "tiny": tiny,
+    **{name: functools.partial(llama_shaped, name)
+       for name in ("tinyllama", "qwen2.5-0.5b", "llama3.2-1b")}}
 TITLES = {"gpt2": "GPT-2 small (124M)", "tinyllama": "TinyLlama (1.1B)",
           "qwen2.5-0.5b": "Qwen2.5-0.5B", "llama3.2-1b": "Llama-3.2-1B", "tiny": "tiny GPT-2"}
 

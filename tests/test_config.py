@@ -208,3 +208,15 @@ def test_every_model_field_can_be_set_from_the_command_line(name):
   settable = {f.name for f in dataclasses.fields(TransformerConfig)} - {
       "vocab_size", "target_vocab_size", "max_segments"}     # the data's
   assert settable <= set(config.model.keys()), settable - set(config.model.keys())
+
+
+@pytest.mark.parametrize("group, options", [
+    ("optimizer", "OptimizerOptions"), ("decode", "DecodeOptions"), ("eval", "EvalOptions"),
+    ("mesh", "MeshOptions"), ("distributed", "DistributedOptions"), ("lora", "LoraOptions"),
+    ("pretrain", "PretrainOptions")])
+def test_every_option_of_a_group_can_be_set_from_the_command_line(group, options):
+  """The same for the run's option groups: configs/default.py lists each field."""
+  from transformer_jax import options as run_options
+  fields = {f.name for f in dataclasses.fields(getattr(run_options, options))}
+  listed = set(importlib.import_module("configs.default").get_config()[group].keys())
+  assert fields <= listed, fields - listed

@@ -210,6 +210,40 @@ def test_fine_tuning_the_import_then_export(llama, lora_rank, tmp_path):
   print(f"\nfine-tuned, exported: largest logit difference {logits:.3g}")
   assert logits <= 1e-4
   assert _logit_difference(tuned_model, llama["model"], PROMPTS)[0] > 1e-3   # it trained
+  if lora_rank:
+    _check_peft_adapters(llama, workdir, out, tuned.params, tmp_path)
+
+
+def _check_peft_adapters(llama: dict, workdir: str, merged_export: str, tuned: dict,
+                         tmp_path) -> None:
+  """--to=peft: PeftModel.from_pretrained on the original directory computes the merged
+  export's logits; --from=peft merges those adapters into the import again, as ours."""
+  peft = pytest.importorskip("peft")
+  adapters = str(tmp_path / "peft")
+  convert.run(to="peft", workdir=workdir, output=adapters)
+  with open(os.path.join(adapters, "adapter_config.json")) as f:
+    config = json.load(f)
+  assert (config["r"], config["base_model_name_or_path"]) == (4, llama["directory"])
+  base = transformers.LlamaForCausalLM.from_pretrained(llama["directory"]).eval()
+  adapted = peft.PeftModel.from_pretrained(base, adapters).eval()
+  ids, mask = _hf_batch(llama["hf_tokenizer"], PROMPTS)
+  merged = transformers.LlamaForCausalLM.from_pretrained(merged_export).eval()
+  difference = np.abs(hf_logits(adapted, ids, mask) - hf_logits(merged, ids, mask))[mask == 1]
+  print(f"PEFT's adapted model against the merged export: largest logit difference "
+        f"{difference.max():.3g}")
+  assert difference.max() <= 1e-4
+  convert.run(from_="peft", input=adapters, like=llama["export"], workdir=str(tmp_path / "in"))
+  again = checkpoint.restore_params(str(tmp_path / "in" / "exports" / "peft"))
+  for (path, x), (_, y) in zip(trees.named_leaves(again), trees.named_leaves(tuned)):
+    np.testing.assert_allclose(x, y, atol=1e-6, err_msg=path)
+  # What cannot be converted is named in one line.
+  with pytest.raises(convert.ConvertError, match="writes a LoRA run's adapters: .* holds a "
+                                                 "whole model, not LoRA adapters"):
+    convert.run(to="peft", workdir=llama["workdir"], output=str(tmp_path / "none"))
+  with open(os.path.join(adapters, "adapter_config.json"), "w") as f:
+    json.dump({**config, "use_dora": True}, f)
+  with pytest.raises(convert.ConvertError, match="use_dora=True is not converted"):
+    convert.run(from_="peft", input=adapters, like=llama["export"], workdir=str(tmp_path / "x"))
 
 
 def _served_lines(m: dict) -> tuple[list[str], list[str]]:

@@ -6,6 +6,7 @@ the field. A tiny Llama-shaped character LM (gated SiLU feed-forward, 2 key/valu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import json
@@ -60,8 +61,8 @@ def _batch(rows: int = 2, length: int = 8) -> dict[str, np.ndarray]:
     (dict(rank=-1), "lora.rank=-1: must be an integer >= 0"),
     (dict(rank=1.5), "lora.rank=1.5: must be an integer >= 0"),
     (dict(alpha=0), "lora.alpha=0: must be a number > 0"),
-    (dict(dropout=0.1), "lora.dropout=0.1: must be 0"),
-    (dict(dropout=1.0), "lora.dropout=1.0: must be 0"),
+    (dict(dropout=-0.1), "lora.dropout=-0.1: must be in"),
+    (dict(dropout=1.0), "lora.dropout=1.0: must be in"),
     (dict(targets=()), "lora.targets=(): must be a non-empty subset"),
     (dict(targets=("q_proj", "qkv")), "lora.targets=('q_proj', 'qkv'): must be a non-empty"),
 ])
@@ -162,6 +163,57 @@ def test_merge_is_w_plus_alpha_over_rank_a_b_and_freezes_the_base():
   assert all(np.any(g) for g in jax.tree_util.tree_leaves(adapter_grad))
   with pytest.raises(ValueError, match="do not fit the kernel"):
     lora.merge(params, jax.tree_util.tree_map(lambda x: x[..., :1, :], adapters), options)
+
+
+def _random_adapters(params: dict, options: LoraOptions) -> dict:
+  rng = np.random.default_rng(0)
+  return jax.tree_util.tree_map(lambda x: 0.3 * rng.normal(size=x.shape).astype(np.float32),
+                                lora.init_adapters(params, options, jax.random.key(1)))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_adapters_on_the_activations_equal_the_merged_kernels(scan):
+  """Training's x W + s (x A) B (per layer, also inside nn.scan) gives the merged model's
+  loss and the same adapter gradients; the base gets none."""
+  task, params = _base(_cfg(scan_layers=scan))
+  options = LoraOptions(rank=RANK, alpha=8.0)
+  adapters = _random_adapters(params, options)
+  batch, key = _batch(), jax.random.key(2)
+
+  def on_activations(base, ad):
+    with lora.applying(options):
+      return task.loss_sums(lora.model_params(lora.adapted(base, ad), options), batch, key,
+                            True)["loss"]
+
+  merged = lambda base, ad: task.loss_sums(lora.merge(base, ad, options), batch, key,
+                                           True)["loss"]
+  (loss, (base_grad, grads)) = jax.value_and_grad(on_activations, (0, 1))(params, adapters)
+  (expected, (_, expected_grads)) = jax.value_and_grad(merged, (0, 1))(params, adapters)
+  np.testing.assert_allclose(loss, expected, rtol=1e-5)
+  assert float(loss) != float(task.loss_sums(params, batch, key, True)["loss"])
+  for (path, g), (_, e) in zip(trees.named_leaves(grads), trees.named_leaves(expected_grads)):
+    np.testing.assert_allclose(g, e, rtol=1e-3, atol=2e-5, err_msg=path)
+  assert not any(np.any(g) for g in jax.tree_util.tree_leaves(base_grad))
+
+
+def test_adapter_dropout_drops_the_adapters_input_in_training_only():
+  """With lora.dropout the adapters see a dropped input when the model is given a dropout
+  key (training) and the whole input otherwise; the base's path is never dropped, so B = 0
+  is the base exactly even in training."""
+  task, params = _base(_cfg())
+  options = LoraOptions(rank=RANK, dropout=0.5)
+  batch, key = _batch(), jax.random.key(2)
+
+  def logits(ad, opts, train):
+    with lora.applying(opts):
+      return task.logits(lora.model_params(lora.adapted(params, ad), opts), batch, key, train)
+
+  zero_b = lora.init_adapters(params, options, jax.random.key(1))
+  assert np.array_equal(logits(zero_b, options, True), task.logits(params, batch, key, True))
+  adapters = _random_adapters(params, options)
+  kept = dataclasses.replace(options, dropout=0.0)
+  assert np.array_equal(logits(adapters, options, False), logits(adapters, kept, False))
+  assert not np.allclose(logits(adapters, options, True), logits(adapters, kept, True))
 
 
 # ------------------------------------------------------------------------ training

@@ -31,7 +31,7 @@ _CHOICES = {
     "positional": ("sinusoidal", "learned", "rotary"),
     "norm_type": ("layer", "rms", "rms_plus_one"),
     "rope_scaling": ("none", "linear", "llama3"),
-    "activation": ("relu", "gelu", "swish", "silu"),
+    "activation": ("relu", "gelu", "swish", "silu", "relu2"),
     "sinusoidal_layout": ("interleaved", "halves"),
     "attention_impl": ("einsum", "xla", *KERNELS, "auto"),
     "remat_policy": ("none", "full", "dots", "dots_no_batch"),
@@ -142,6 +142,14 @@ class TransformerConfig:
       Gemma 3's 10,000 beside its full layers' 1,000,000).
     end_ids: token ids that end a text besides EOS (an import's other eos_token_ids:
       Llama 3's <|eot_id|>, Qwen's <|im_end|>); generation stops at any of them.
+
+  Options of the modded-nanogpt speedrun's records (benchmarks/RESULTS.md measures them):
+    activation "relu2": the feed-forward's ReLU squared.
+    zero_init_residual: the two projections that write into the residual stream
+      (attention's output, the feed-forward's second) start at zero, so each layer starts
+      as the identity.
+    logit_softcap: logits become c * tanh(logits / c) with c this (0: off; Gemma 2's
+      final_logit_softcapping).
   """
 
   vocab_size: int
@@ -194,6 +202,8 @@ class TransformerConfig:
   layer_types: tuple[str, ...] = ()
   local_rope_theta: float = 0.0
   end_ids: tuple[int, ...] = ()
+  zero_init_residual: bool = False
+  logit_softcap: float = 0.0
 
   # ----------------------------------------------------------------------------- presets
   @classmethod
@@ -292,7 +302,7 @@ class TransformerConfig:
       fail("layer_norm_epsilon", "must be a positive number")
     for field in ("scan_layers", "fused_qkv", "final_logits_bias", "zero_decoder_start",
                   "gated_ffn", "use_bias", "scale_embeddings", "bos_is_eos", "qkv_bias",
-                  "qk_norm", "sandwich_norm"):
+                  "qk_norm", "sandwich_norm", "zero_init_residual"):
       if not isinstance(getattr(self, field), bool):
         fail(field, "must be True or False")
     for field in ("absent_ids", "layer_types", "end_ids"):
@@ -333,7 +343,7 @@ class TransformerConfig:
 
   def _check_modern_options(self, fail: Any) -> None:
     """The options of today's open language models (see the class doc)."""
-    for field in ("attention_scale", "local_rope_theta"):
+    for field in ("attention_scale", "local_rope_theta", "logit_softcap"):
       value = getattr(self, field)
       if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
         fail(field, "must be a number >= 0 (0: the default)")

@@ -21,17 +21,20 @@ for the base, and a checkpoint holds the adapters and names the base by the run'
 (training/state.py). Inference merges once, where a saved model's parameters are read
 (checkpoint/snapshots.py): predict, export, serving and convert see a plain model.
 
-Limits: `dropout` (on the adapters' input) must be 0, since a merged kernel has no input
-of its own to drop; a fused qkv kernel is not adapted; the merged kernels are materialised
-each step, and their full-size weight gradient computed (LoRA here saves the optimizer's
-memory, not the backward pass's weight-gradient FLOPs).
+`model_params` puts each adapter pair beside its kernel as the parameters "lora_a" and
+"lora_b" of the kernel's Dense module (so nn.scan slices them per layer as it slices the
+kernel), and `applying` is a Flax method interceptor that adds s (x A) B to the output of
+each Dense that has them, with `dropout` on x A's input in training (as PEFT drops it).
+Limit: a fused qkv kernel is not adapted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -89,7 +92,8 @@ def targets(params: Any, options: LoraOptions) -> dict[str, tuple[jax.Array, int
 
 def init_adapters(params: Any, options: LoraOptions, rng: jax.Array) -> dict:
   """The adapters of the targeted kernels of `params` (unboxed): A ~ U(+-1/sqrt(fan_in)),
-  as PEFT's kaiming-uniform draws it, and B = 0, in each kernel's dtype."""
+  as PEFT's kaiming-uniform draws it, and B = 0, in float32 whatever the base's dtype (they
+  are small, and Adam's updates of bfloat16 weights lose their low bits)."""
   kernels = targets(params, options)
   flat = {}
   for key, (path, (kernel, ins, outs)) in zip(jax.random.split(rng, len(kernels)),
@@ -98,9 +102,9 @@ def init_adapters(params: Any, options: LoraOptions, rng: jax.Array) -> dict:
     fan_in = math.prod(kernel.shape[lead:lead + ins])
     bound = 1 / math.sqrt(fan_in)
     flat[f"{path}/a"] = jax.random.uniform(key, kernel.shape[:lead + ins] + (options.rank,),
-                                           kernel.dtype, -bound, bound)
+                                           jnp.float32, -bound, bound)
     flat[f"{path}/b"] = jnp.zeros(kernel.shape[:lead] + (options.rank,)
-                                  + kernel.shape[lead + ins:], kernel.dtype)
+                                  + kernel.shape[lead + ins:], jnp.float32)
   return trees.unflatten(flat)
 
 
@@ -181,13 +185,50 @@ def with_base(params: Any, new_base: Any) -> Any:
 
 
 def model_params(params: Any, options: LoraOptions | None) -> Any:
-  """The parameters the model applies: an adapted pair merged (traceable; `options` its
-  run's), else `params`."""
+  """The parameters the model applies under `applying(options)`: an adapted pair's base,
+  frozen (stop_gradient), with each adapter pair beside its kernel as "lora_a", "lora_b"
+  (traceable); else `params`."""
   if not is_adapted(params):
     return params
   if options is None:
-    raise ValueError("LoRA parameters merge by their run's LoRA options; none were given")
-  return merge(params["base"], params["adapters"], options)
+    raise ValueError("LoRA parameters are applied by their run's LoRA options; none were given")
+  flat = dict(trees.named_leaves(jax.lax.stop_gradient(params["base"])))
+  for path, adapter in trees.named_leaves(params["adapters"]):
+    module, leaf = path.rsplit(f"{trees.SEPARATOR}kernel{trees.SEPARATOR}", 1)
+    if f"{module}{trees.SEPARATOR}kernel" not in flat:
+      raise ValueError(f"adapters of {module}, which the base does not have")
+    flat[f"{module}{trees.SEPARATOR}lora_{leaf}"] = adapter
+  return trees.unflatten(flat)
+
+
+def _adapted_output(scale: float, dropout: float) -> Callable:
+  """A Flax method interceptor: a Dense (General) with "lora_a", "lora_b" among its
+  parameters returns x W (+ bias) + scale * (drop(x) A) B, in its compute dtype."""
+  def intercept(next_fun: Callable, args: tuple, kwargs: dict,
+                context: nn.module.InterceptorContext) -> Any:
+    module, y = context.module, next_fun(*args, **kwargs)
+    if (context.method_name != "__call__" or not isinstance(module, (nn.Dense, nn.DenseGeneral))
+        or not module.has_variable("params", "lora_a")):
+      return y
+    a: jax.Array = module.get_variable("params", "lora_a")
+    b: jax.Array = module.get_variable("params", "lora_b")
+    x, ins = args[0], a.ndim - 1            # the kernel's input axes: x's last `ins`
+    if dropout and module.has_rng("dropout"):   # training only (evaluation has no rng)
+      keep = jax.random.bernoulli(module.make_rng("dropout"), 1 - dropout, x.shape)
+      x = jnp.where(keep, x / (1 - dropout), 0)
+    dtype = module.dtype or x.dtype
+    xa = jnp.tensordot(x.astype(dtype), a.astype(dtype),
+                       axes=(tuple(range(x.ndim - ins, x.ndim)), tuple(range(ins))))
+    return y + (scale * jnp.tensordot(xa, b.astype(dtype), axes=1)).astype(y.dtype)
+  return intercept
+
+
+def applying(options: LoraOptions | None) -> contextlib.AbstractContextManager:
+  """Within it (while a model is traced), the adapters of `model_params` act on the
+  activations; nothing happens without options (a run without LoRA)."""
+  if options is None:
+    return contextlib.nullcontext()
+  return nn.intercept_methods(_adapted_output(options.alpha / options.rank, options.dropout))
 
 
 def full_gradient(params: Any, grads: Any) -> Any:

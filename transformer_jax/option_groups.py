@@ -63,7 +63,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class LoraOptions(_Options):
   """LoRA of init_from's model (lora.py; docs/pretrained_models.md): with `rank` > 0 (0: off)
   each kernel of `targets` (--config.lora.targets=q_proj,v_proj) is W + alpha/rank * A B,
-  W frozen, A and B trained. `dropout`: 0 only for now (A B is merged into W: lora.py)."""
+  W frozen, A and B trained; `dropout` on the adapters' input in training, as PEFT's."""
   rank: int = 0
   alpha: float = 16.0
   dropout: float = 0.0
@@ -72,8 +72,7 @@ class LoraOptions(_Options):
   def __post_init__(self) -> None:
     _integer("lora.", "rank", self.rank, 0)
     _number("lora.", "alpha", self.alpha, lambda v: v > 0, "a number > 0")
-    _number("lora.", "dropout", self.dropout, lambda v: v == 0, "0 (in [0, 1) once "
-            "supported: the adapters are merged into the weights, lora.py)")
+    _number("lora.", "dropout", self.dropout, lambda v: 0 <= v < 1, "in [0, 1)")
     given = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets or ())
     names = tuple(n.strip() for item in given for n in str(item).split(",") if n.strip())
     if not names or not set(names) <= set(LORA_TARGETS):

@@ -184,7 +184,7 @@ class OptimizerOptions(_Options):
   decay_matrices_only: bool = False    # adamw: no decay of vectors (biases, norm scales)
   pretrained_rate_scale: float = 1.0
   muon_learning_rate: float = 0.02     # muon: the hidden matrices' peak rate
-  muon_momentum: float = 0.95          # muon: its momentum (Nesterov)
+  muon_momentum: float = 0.9           # muon: its momentum (Nesterov; 0.9 beat 0.95, 0.85)
 
   def __post_init__(self) -> None:
     check_choice("optimizer.", "name", self.name, OPTIMIZERS)

@@ -45,6 +45,7 @@ from transformer_jax.checkpoint.snapshots import (
                                                   first_good,
                                                   load_newest,
                                                   models,
+                                                  read_adapters,
                                                   read_record,
                                                   restore_params,
                                                   select_steps,
@@ -58,5 +59,5 @@ __all__ = [
     "DamagedCheckpointError", "IncompatibleCheckpointError", "ModelRecord", "Restored",
     "TrainCheckpoints", "best_step", "check_writable", "checkpoint_steps",
     "config_differences", "describe", "write_average", "first_good", "load_newest", "models",
-    "read_record", "restore_params", "select_steps", "signature", "write_snapshot",
+    "read_adapters", "read_record", "restore_params", "select_steps", "signature", "write_snapshot",
 ]

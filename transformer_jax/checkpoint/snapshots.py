@@ -127,18 +127,34 @@ def restore_params(path: str, abstract_params: Any | None = None) -> Any:
   return _verified_params(path, manifest, abstract_params, alone=False)
 
 
-def _host_params(path: str) -> Any:
-  """The verified parameters of a checkpoint or snapshot as numpy arrays, read by process 0
-  alone. Each array is read whole onto one of its devices: with the sharding it was saved
-  with, part of it would belong to the other processes, which are not reading along."""
+def _host_arrays(path: str) -> tuple[Any, tuple[LoraOptions, str] | None]:
+  """(the verified parameters of a checkpoint or snapshot as saved, `_lora_of` its config),
+  read by process 0 alone. Each array is read whole onto one of its devices: with the
+  sharding it was saved with, part of it would belong to the other processes, which are not
+  reading along."""
   path = epath.Path(path)
   json = read(path, alone=True, manifest=ocp.args.JsonRestore(), config=ocp.args.JsonRestore())
   manifest, adapted = json["manifest"], _lora_of(json["config"], path)
   here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  params = _verified_params(path, manifest, _saved_shapes(manifest, here), alone=True)
+  return _verified_params(path, manifest, _saved_shapes(manifest, here), alone=True), adapted
+
+
+def _host_params(path: str) -> Any:
+  """`_host_arrays`' parameters as numpy arrays; a LoRA run's merged into its base."""
+  params, adapted = _host_arrays(path)
   if adapted:
-    params = _merged(path, _host_params(adapted[1]), params, adapted[0])
+    params = _merged(epath.Path(path), _host_params(adapted[1]), params, adapted[0])
   return jax.tree_util.tree_map(np.asarray, params)
+
+
+def read_adapters(path: str) -> tuple[Any, LoraOptions, str]:
+  """(the adapters, as numpy arrays, the LoRA options, the base's path) of a LoRA run's
+  checkpoint or snapshot (lora.py); IncompatibleCheckpointError for a plain model."""
+  adapters, adapted = _host_arrays(path)
+  if not adapted:
+    raise IncompatibleCheckpointError(f"{path} holds a whole model, not LoRA adapters "
+                                      "(its config's lora.rank is 0)")
+  return jax.tree_util.tree_map(np.asarray, adapters), *adapted
 
 
 def _saved_shapes(manifest: dict, placed: jax.sharding.Sharding) -> Any:

@@ -15,7 +15,7 @@ from typing import Callable
 
 from transformer_jax import checkpoint
 from transformer_jax import params as param_utils
-from transformer_jax.convert import gemma3, gpt2, llama, mistral, qwen, torch_transformer
+from transformer_jax.convert import gemma3, gpt2, llama, mistral, peft, qwen, torch_transformer
 from transformer_jax.convert.files import (
   Imported,
   OurModel,
@@ -102,6 +102,10 @@ FORMATS = {
     # Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM): a save_pretrained directory,
     # or a model of the Hub.
     **{row: _lm_row(family) for row, family in LM_FAMILIES.items() if row != "hf_gpt2"},
+    # Hugging Face PEFT's LoRA adapters of a Llama-shaped import (convert/peft.py): out, a
+    # LoRA run's; in, merged into the import that --like names.
+    "peft": Format(peft.read_peft, peft.write_peft, input_is_directory=True,
+                   output_is_directory=True, needs_like=True, task=LanguageModelTask.name),
     # torch.nn.Transformer (benchmarks.torch_reference): a state_dict file.
     "torch": Format(_read_torch, _write_torch, input_is_directory=False,
                     output_is_directory=False, needs_like=True),

@@ -56,7 +56,8 @@ _MUST_BE = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False
 _GPT2_SHAPE: tuple[tuple[str, Any], ...] = (
     ("norm_position", "pre"), ("positional", "learned"), ("norm_type", "layer"),
     ("gated_ffn", False), ("use_bias", True), ("tie_output", True), ("scale_embeddings", False),
-    ("bos_is_eos", True), ("final_logits_bias", False), ("zero_decoder_start", False))
+    ("bos_is_eos", True), ("final_logits_bias", False), ("zero_decoder_start", False),
+    ("logit_softcap", 0.0))
 _PREFIX = "transformer."   # GPT2LMHeadModel's; GPT2Model's checkpoints (the Hub's gpt2) lack it
 _BUFFERS = r"^h\.\d+\.attn\.(masked_)?bias$"   # causal masks older files keep
 _QKV = ("query", "key", "value")

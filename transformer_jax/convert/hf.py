@@ -18,9 +18,10 @@ from transformer_jax.convert.files import read_json, read_state_dict
 from transformer_jax.convert.tensors import ConvertError
 
 # Ours -> Hugging Face activation names (flax's gelu is the tanh approximation: "gelu_new").
-ACTIVATIONS = {"relu": "relu", "gelu": "gelu_new", "swish": "swish", "silu": "silu"}
+ACTIVATIONS = {"relu": "relu", "gelu": "gelu_new", "swish": "swish", "silu": "silu",
+               "relu2": "relu2"}
 FROM_HF_ACTIVATION = {"relu": "relu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
-                      "swish": "swish", "silu": "silu"}
+                      "swish": "swish", "silu": "silu", "relu2": "relu2"}
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")   # the first found is read
 SHARD_INDEX = "model.safetensors.index.json"   # a model saved in shards: their names
 

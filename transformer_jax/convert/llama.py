@@ -11,7 +11,7 @@ Llama is our LanguageModel with options: pre-LN with a final norm, RMSNorm
 (`num_key_value_heads`), an explicit `head_dim`, no biases, token embeddings that are not
 scaled, and an output tied to them or not (`tie_word_embeddings`, else `lm_head`). A family
 differs in options our config has (q/k/v biases, q/k norms, sliding windows, Gemma's norms):
-the tensor names follow from our config (`_names`), the config.json fields from the
+the tensor names follow from our config (`tensor_names`), the config.json fields from the
 family's `Shape`. Its tokenizer is Hugging Face's (data/hf_tokenizer.py): our ids are theirs
 with BOS, EOS and UNK first.
 
@@ -73,7 +73,7 @@ LLAMA_SHAPE: tuple[tuple[str, Any], ...] = (
     ("gated_ffn", True), ("use_bias", False), ("scale_embeddings", False),
     ("final_logits_bias", False), ("zero_decoder_start", False), ("qkv_bias", False),
     ("qk_norm", False), ("sandwich_norm", False), ("attention_scale", 0.0),
-    ("layer_types", ()), ("local_rope_theta", 0.0))
+    ("layer_types", ()), ("local_rope_theta", 0.0), ("logit_softcap", 0.0))
 NO_WINDOW = (("sliding_window", 0),)   # a family whose layers see every key
 _PREFIX = "model."   # LlamaForCausalLM's; LlamaModel's checkpoints lack it (and lm_head)
 _BUFFERS = r"rotary_emb\.inv_freq$"   # older files keep the rotary frequencies
@@ -237,7 +237,7 @@ def _incompatibility(shape: Shape, cfg: TransformerConfig, tokenizer: object) ->
 
 
 # ------------------------------------------------------------------------- tensors
-def _names(cfg: TransformerConfig) -> list[tuple[str, str, int | None]]:
+def tensor_names(cfg: TransformerConfig) -> list[tuple[str, str, int | None]]:
   """(our path, the family's key, the Linear's fan-in, or None for a vector: a norm's
   weight, a bias) of every tensor but the token embedding and lm_head. The keys are
   Llama's, with Qwen's q/k/v biases and Qwen3's and Gemma's q/k norms where our config has
@@ -278,7 +278,7 @@ def state_to_params(state: dict[str, np.ndarray], cfg: TransformerConfig,
   tensors = StateDict(state, source, _PREFIX, skipped=_BUFFERS)
   shapes = expected_shapes(cfg, decoder_only=True)
   params: dict = {}
-  for ours, key, fan_in in _names(cfg):
+  for ours, key, fan_in in tensor_names(cfg):
     shape = shapes[ours]
     size = int(np.prod(shape))
     if fan_in is None:
@@ -309,7 +309,7 @@ def params_to_state(params: dict, cfg: TransformerConfig,
   lm_head left out, as save_pretrained leaves it)."""
   flat = {k: np.asarray(v, np.float32) for k, v in trees.flatten(params).items()}
   state = {_PREFIX + key: flat[ours].reshape(-1) if fan_in is None
-           else kernel_to_linear(flat[ours], fan_in) for ours, key, fan_in in _names(cfg)}
+           else kernel_to_linear(flat[ours], fan_in) for ours, key, fan_in in tensor_names(cfg)}
   rows = table_rows(cfg, tokenizer)
   state[_PREFIX + "embed_tokens.weight"] = rows_to_theirs(flat["embedding/embedding"],
                                                           tokenizer, rows)

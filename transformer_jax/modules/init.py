@@ -22,7 +22,9 @@ GPT2_STDDEV = 0.02
 
 def kernel_init(config: TransformerConfig, *, into_residual: bool = False) -> Callable:
   """A weight matrix's initialiser; `into_residual`: its output is added to the residual
-  stream."""
+  stream (zeros with config.zero_init_residual)."""
+  if into_residual and config.zero_init_residual:
+    return nn.initializers.zeros_init()
   if config.weight_init == "xavier":
     return nn.initializers.xavier_uniform()
   layers = config.num_encoder_layers + config.num_decoder_layers

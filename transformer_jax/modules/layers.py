@@ -9,6 +9,7 @@ from typing import Callable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from transformer_jax.config import TransformerConfig
 from transformer_jax.modules.attention import MultiHeadAttention
@@ -19,7 +20,8 @@ from transformer_jax.sharding import partitioned
 
 Array = jax.Array
 _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
-    "relu": nn.relu, "gelu": nn.gelu, "swish": nn.silu, "silu": nn.silu}
+    "relu": nn.relu, "gelu": nn.gelu, "swish": nn.silu, "silu": nn.silu,
+    "relu2": lambda x: jnp.square(nn.relu(x))}
 
 
 def residual(x: Array, sublayer: Callable[[Array], Array], config: TransformerConfig,

@@ -185,6 +185,8 @@ class Decoder(nn.Module):
                         (cfg.tgt_vocab_size,), cfg.params_dtype)
       logits = logits + bias.astype(logits.dtype)
     logits = logits.astype(jnp.float32)
+    if cfg.logit_softcap:
+      logits = cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap)
     if cfg.no_token_ids:   # ids the vocabulary has no token for are never predicted
       absent = jnp.isin(jnp.arange(logits.shape[-1]), jnp.array(cfg.no_token_ids))
       logits = jnp.where(absent, NO_TOKEN_LOGIT, logits)

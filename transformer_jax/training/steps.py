@@ -18,13 +18,14 @@ def _grads_and_sums(task: Any, params: Any, batch: dict, rng: jax.Array,
                     grad_accum_steps: int, lora_options: LoraOptions | None = None
                     ) -> tuple[Any, dict]:
   """Gradient of the summed loss with respect to the trained parameters (a LoRA state's
-  adapters, merged as `lora_options` say: lora.py; else all) and the summed statistics;
+  adapters, applied as `lora_options` say: lora.py; else all) and the summed statistics;
   with accumulation, the batch is split into micro-batches scanned in sequence, so the
   result equals the full batch's."""
   def micro(mb, key):
     def loss(trained):
-      s = task.loss_sums(lora.model_params(lora.with_trainable(params, trained), lora_options),
-                         mb, key, True)
+      with lora.applying(lora_options):
+        s = task.loss_sums(lora.model_params(lora.with_trainable(params, trained),
+                                             lora_options), mb, key, True)
       return s["loss"], s
     (_, sums), grads = jax.value_and_grad(loss, has_aux=True)(lora.trainable(params))
     return grads, sums
