@@ -1,10 +1,13 @@
-"""LoRA (Hu et al., 2021) as a pure function of the parameters: no module is patched. The
-model of a LoRA run applies `merge(base, adapters)`, in which each targeted kernel W is
-W + (alpha / rank) * A @ B; the base is frozen, and only the low-rank A and B are trained
-and checkpointed.
+"""LoRA (Hu et al., 2021) as a pure function of the parameters: no module is patched. A
+targeted kernel W acts as W + (alpha / rank) * A @ B; the base is frozen, and only the
+low-rank A and B are trained and checkpointed. Training applies the adapters on the
+activations, x W + s (x A) B, so a step never forms a merged kernel or a frozen kernel's
+weight gradient; inference merges them into W once.
 
   adapters = init_adapters(base, options, rng)   # B = 0: step 0 is the base exactly
-  params = merge(base, adapters, options)        # what the model applies
+  with applying(options):                        # training: x W + s (x A) B
+    model.apply({"params": model_params(adapted(base, adapters), options)}, ...)
+  params = merge(base, adapters, options)        # inference: a plain model
 
 Targets are named as the Llama-shaped families name them (PEFT's target_modules), on this
 project's kernels: q_proj, k_proj, v_proj, o_proj are self_attention/query, key, value
