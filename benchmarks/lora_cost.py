@@ -26,7 +26,6 @@ XLA's total with whether it fits the chip.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -98,16 +97,11 @@ def _setup(name: str, variant: str, mesh: Any, planned: bool) -> tuple[Any, Any,
   return step, state, batch
 
 
-def _bytes_per_chip(tree: Any) -> int:
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-             for x in jax.tree_util.tree_leaves(tree))
-
-
 def plan(name: str, target: str) -> dict[str, dict[str, Any]]:
   """Each variant's memory per chip on `target` (aot's compile-only devices)."""
   from transformer_jax.aot import targets
   from transformer_jax.aot.programs import Program
-  from transformer_jax.aot.report import compile_program
+  from transformer_jax.aot.report import argument_bytes, compile_program
   topology = targets.describe(target, "--targets")
   chips = len(topology.devices)
   mesh = sharding.make_mesh({"data": 1, "fsdp": chips, "tensor": 1}, topology.devices)
@@ -118,11 +112,11 @@ def plan(name: str, target: str) -> dict[str, dict[str, Any]]:
       report = compile_program(Program("train_step", step, (state, batch),
                                        None, None), topology, mesh)
       trained = lora.trainable(state.params)
-      gradients = _bytes_per_chip(trained)
+      gradients = argument_bytes(trained)
       out[variant] = {
-          "parameters": _bytes_per_chip(lora.base(state.params)),
-          "adapters": _bytes_per_chip(trained) if variant == "lora" else 0,
-          "optimizer_state": _bytes_per_chip(state.opt_state), "gradients": gradients,
+          "parameters": argument_bytes(lora.base(state.params)),
+          "adapters": argument_bytes(trained) if variant == "lora" else 0,
+          "optimizer_state": argument_bytes(state.opt_state), "gradients": gradients,
           "activations_and_other": max(report.temp_bytes - gradients, 0),
           "total": report.total_bytes, "hbm": report.hbm_bytes, "fits": report.fits,
           "trained_parameters": sum(x.size for x in jax.tree_util.tree_leaves(trained)),

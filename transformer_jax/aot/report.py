@@ -110,7 +110,7 @@ def _parse_bytes(text: str) -> int:
   return int(float(text.rstrip("KMGT")) * scale)
 
 
-def _argument_bytes(args: Any) -> int:
+def argument_bytes(args: Any) -> int:
   """Bytes of one device's shards of abstract arguments (the largest shard of each)."""
   return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
              for x in jax.tree_util.tree_leaves(args))
@@ -150,7 +150,7 @@ def compile_program(program: Program, topology: Topology, mesh: jax.sharding.Mes
     oom = _OUT_OF_MEMORY.search(str(e))
     if not oom:
       raise
-    args = _argument_bytes(program.args)
+    args = argument_bytes(program.args)
     total = args + _parse_bytes(oom.group(1))
     return CompileReport(
         compile_s=time.perf_counter() - start, argument_bytes=args, temp_bytes=total - args,

@@ -75,7 +75,7 @@ LLAMA_SHAPE: tuple[tuple[str, Any], ...] = (
     ("qk_norm", False), ("sandwich_norm", False), ("attention_scale", 0.0),
     ("layer_types", ()), ("local_rope_theta", 0.0), ("logit_softcap", 0.0))
 NO_WINDOW = (("sliding_window", 0),)   # a family whose layers see every key
-_PREFIX = "model."   # LlamaForCausalLM's; LlamaModel's checkpoints lack it (and lm_head)
+PREFIX = "model."   # LlamaForCausalLM's; LlamaModel's checkpoints lack it (and lm_head)
 _BUFFERS = r"rotary_emb\.inv_freq$"   # older files keep the rotary frequencies
 _LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 
@@ -275,7 +275,7 @@ def state_to_params(state: dict[str, np.ndarray], cfg: TransformerConfig,
                     tokenizer: HFTokenizer, source: str) -> dict:
   """Our parameter tree from the family's state_dict; names the first missing, unexpected
   or mis-shaped tensor."""
-  tensors = StateDict(state, source, _PREFIX, skipped=_BUFFERS)
+  tensors = StateDict(state, source, PREFIX, skipped=_BUFFERS)
   shapes = expected_shapes(cfg, decoder_only=True)
   params: dict = {}
   for ours, key, fan_in in tensor_names(cfg):
@@ -308,10 +308,10 @@ def params_to_state(params: dict, cfg: TransformerConfig,
   """The family's state_dict (numpy) of our unrolled, separate-QKV parameters (a tied
   lm_head left out, as save_pretrained leaves it)."""
   flat = {k: np.asarray(v, np.float32) for k, v in trees.flatten(params).items()}
-  state = {_PREFIX + key: flat[ours].reshape(-1) if fan_in is None
+  state = {PREFIX + key: flat[ours].reshape(-1) if fan_in is None
            else kernel_to_linear(flat[ours], fan_in) for ours, key, fan_in in tensor_names(cfg)}
   rows = table_rows(cfg, tokenizer)
-  state[_PREFIX + "embed_tokens.weight"] = rows_to_theirs(flat["embedding/embedding"],
+  state[PREFIX + "embed_tokens.weight"] = rows_to_theirs(flat["embedding/embedding"],
                                                           tokenizer, rows)
   if not cfg.tie_output:
     state["lm_head.weight"] = rows_to_theirs(flat["decoder/output_projection/kernel"].T,

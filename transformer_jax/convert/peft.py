@@ -30,7 +30,7 @@ from transformer_jax import params as param_utils
 from transformer_jax.config import TransformerConfig
 from transformer_jax.convert.files import Imported, OurModel, load_ours
 from transformer_jax.convert.hf import read_json
-from transformer_jax.convert.llama import tensor_names
+from transformer_jax.convert.llama import PREFIX, tensor_names
 from transformer_jax.convert.tensors import ConvertError, linear_to_kernel
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -43,11 +43,6 @@ def _kernels(cfg: TransformerConfig) -> dict[str, tuple[str, int]]:
   """{our kernel path: (the family's Linear name without ".weight", its fan-in)}."""
   return {ours: (key.removesuffix(".weight"), fan_in) for ours, key, fan_in in tensor_names(cfg)
           if fan_in is not None}
-
-
-def _family_key(key: str) -> str:
-  """A state_dict key as the family's model class names it ("model." first)."""
-  return "model." + key
 
 
 def _imported_from(record: checkpoint.ModelRecord, what: str) -> str:
@@ -68,7 +63,7 @@ def _adapter_state(adapters: dict, cfg: TransformerConfig) -> dict[str, np.ndarr
   for kernel in sorted({p.rsplit("/", 1)[0] for p in flat}):
     key, fan_in = names[kernel]
     a, b = flat[f"{kernel}/a"], flat[f"{kernel}/b"]
-    prefix = f"{_PEFT_PREFIX}{_family_key(key)}"
+    prefix = f"{_PEFT_PREFIX}{PREFIX}{key}"
     state[f"{prefix}.lora_A.weight"] = a.reshape(fan_in, a.shape[-1]).T
     state[f"{prefix}.lora_B.weight"] = b.reshape(b.shape[0], -1).T
   return {k: np.ascontiguousarray(v, np.float32) for k, v in state.items()}
@@ -126,13 +121,11 @@ def read_peft(input: str, allow_pickle: bool, like: str | None) -> Imported:
   merged into it: W + scale B A per adapted Linear."""
   del allow_pickle
   assert like is not None   # the format's needs_like
-  config = read_json(os.path.join(input, CONFIG_FILE)) if os.path.isfile(
-      os.path.join(input, CONFIG_FILE)) else None
-  weights = os.path.join(input, WEIGHTS_FILE)
-  if config is None or not os.path.isfile(weights):
+  config_path, weights = os.path.join(input, CONFIG_FILE), os.path.join(input, WEIGHTS_FILE)
+  if not (os.path.isfile(config_path) and os.path.isfile(weights)):
     raise ConvertError(f"--input={input}: a PEFT adapter directory holds {CONFIG_FILE} and "
                        f"{WEIGHTS_FILE} (PeftModel.save_pretrained)")
-  scale = _scale(config, os.path.join(input, CONFIG_FILE))
+  scale = _scale(read_json(config_path), config_path)
   model_dir = os.path.isdir(os.path.join(like, "manifest"))   # an export or checkpoint
   base = load_ours(None if model_dir else like, like if model_dir else None, "--from=peft",
                    "lm")
@@ -140,7 +133,7 @@ def read_peft(input: str, allow_pickle: bool, like: str | None) -> Imported:
   from safetensors.numpy import load_file
   tensors = load_file(weights)
   params = trees.flatten(base.params)
-  by_key = {f"{_PEFT_PREFIX}{_family_key(key)}": (ours, fan_in)
+  by_key = {f"{_PEFT_PREFIX}{PREFIX}{key}": (ours, fan_in)
             for ours, (key, fan_in) in _kernels(base.config).items()}
   merged = 0
   for name in sorted(tensors):
