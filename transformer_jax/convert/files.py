@@ -79,11 +79,14 @@ class OurModel:
 
 
 def load_ours(workdir: str | None, checkpoint_path: str | None, purpose: str,
-              task: str = Seq2SeqTask.name) -> OurModel:
+              task: str = Seq2SeqTask.name, with_params: bool = True) -> OurModel:
   """The model `predict` would use (--checkpoint, or the newest export or checkpoint of the
-  workdir) for `purpose` (e.g. "--to=hf_marian"), which converts models of `task` only."""
+  workdir) for `purpose` (e.g. "--to=hf_marian"), which converts models of `task` only.
+  with_params=False: its config and record only (params {}), for a writer that reads the
+  checkpoint itself (a LoRA run's adapters: no merge with its base)."""
   path, (record, params) = checkpoint.load_newest(
-      workdir, lambda p: (checkpoint.read_record(p), checkpoint.restore_params(p)),
+      workdir, lambda p: (checkpoint.read_record(p),
+                          checkpoint.restore_params(p) if with_params else {}),
       checkpoint_path)
   saved_task = TrainOptions.from_dict(upgrade(record.config)).task
   if saved_task != task:

@@ -42,6 +42,7 @@ class Format:
   needs_like: bool = False    # the file alone does not say the architecture
   task: str = Seq2SeqTask.name   # the task of the models it holds
   hub_files: tuple[str, ...] = ()   # --input may name a Hub model instead: these files of it
+  writes_params: bool = True  # False: write reads the checkpoint itself (model.params is {})
 
 
 def _hf_directory(load: Callable[[str, bool], Imported]) -> Callable[..., Imported]:
@@ -105,7 +106,8 @@ FORMATS = {
     # Hugging Face PEFT's LoRA adapters of a Llama-shaped import (convert/peft.py): out, a
     # LoRA run's; in, merged into the import that --like names.
     "peft": Format(peft.read_peft, peft.write_peft, input_is_directory=True,
-                   output_is_directory=True, needs_like=True, task=LanguageModelTask.name),
+                   output_is_directory=True, needs_like=True, task=LanguageModelTask.name,
+                   writes_params=False),
     # torch.nn.Transformer (benchmarks.torch_reference): a state_dict file.
     "torch": Format(_read_torch, _write_torch, input_is_directory=False,
                     output_is_directory=False, needs_like=True),
@@ -196,5 +198,5 @@ def run(*, from_: str | None = None, to: str | None = None, input: str | None = 
                       record.config.get("task", Seq2SeqTask.name))
     fmt = FORMATS[_family_for(model)]
   else:
-    model = load_ours(workdir, checkpoint_path, f"--to={to}", fmt.task)
+    model = load_ours(workdir, checkpoint_path, f"--to={to}", fmt.task, fmt.writes_params)
   return fmt.write(model, output)
