@@ -69,7 +69,7 @@ def get_config() -> ml_collections.ConfigDict:
       end_learning_rate=0.0,       # warmup_cosine: the rate it decays to
       decay_matrices_only=False,   # adamw: weight decay on matrices only (not biases, norms)
       pretrained_rate_scale=1.0,   # init_from another task's encoder: its modules' rate factor
-      muon_learning_rate=0.02,     # muon: the hidden matrices' peak rate (AdamW's for the rest)
+      muon_learning_rate=0.02,     # muon: the hidden matrices' peak rate (Adam's for the rest)
       muon_momentum=0.9))          # muon: its (Nesterov) momentum (RESULTS: 0.9 beat 0.95)
   # Annealing to 0 matters here: with the paper's rsqrt decay the same model plateaus
   # below 99% exact match in this budget.

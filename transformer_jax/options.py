@@ -166,7 +166,7 @@ class DataOptions(_Options):
 @dataclasses.dataclass(frozen=True)
 class OptimizerOptions(_Options):
   """Adam, AdamW (paper: Adam(0.9, 0.98, 1e-9)) or Muon (the hidden matrices at
-  `muon_learning_rate` with `muon_momentum`, AdamW for the rest; training/optimizers.py) on
+  `muon_learning_rate` with `muon_momentum`, Adam for the rest; training/optimizers.py) on
   a schedule peaking at `learning_rate`
   (rsqrt with learning_rate <= 0: the paper's peak), gradients clipped to global norm
   `clip_grad_norm` (0: off). `pretrained_rate_scale`: init_from a pretrained encoder, the

@@ -49,7 +49,7 @@ _HIDDEN_MATRICES = {
 
 def muon_dimensions(params: Any) -> Any:
   """Per parameter: optax's MuonDimensionNumbers for the attention and feed-forward kernels
-  of the layers, None (AdamW) for the rest: embeddings, the output head, norms, biases."""
+  of the layers, None (Adam) for the rest: embeddings, the output head, norms, biases."""
   def dimensions(path: Any, _: Any) -> Any:
     keys = [getattr(p, "key", None) for p in path]
     if keys[-1] == "kernel" and len(keys) > 1 and keys[-2] in _HIDDEN_MATRICES:
@@ -64,8 +64,9 @@ def muon_dimensions(params: Any) -> Any:
 def _muon(cfg: OptimizerOptions, schedule: optax.Schedule) -> optax.GradientTransformation:
   """Muon (optax.contrib.muon: momentum `muon_momentum`, Nesterov, orthogonalised by
   Newton-Schulz) for the hidden matrices at `muon_learning_rate`, following `schedule`'s
-  shape; AdamW(b1, b2, eps) for the rest at `schedule`, as the modded-nanogpt speedrun
-  splits them. weight_decay decays the hidden matrices only."""
+  shape; Adam(b1, b2, eps; Nesterov, as optax's Muon gives it) for the rest at `schedule`, as
+  the modded-nanogpt speedrun splits them. weight_decay decays the hidden matrices only
+  (decaying the rest as well did not help SST-2: benchmarks/RESULTS.md)."""
   peak = float(cfg.learning_rate)
   ratio = cfg.muon_learning_rate / (peak if peak > 0 else float(schedule(cfg.warmup_steps - 1)))
   return optax.contrib.muon(
@@ -77,7 +78,7 @@ def _muon(cfg: OptimizerOptions, schedule: optax.Schedule) -> optax.GradientTran
 def make_optimizer(cfg: OptimizerOptions, schedule: optax.Schedule,
                    pretrained_modules: Sequence[str] = ()) -> optax.GradientTransformation:
   """Adam(b1, b2, eps) as in the paper (0.9, 0.98, 1e-9), AdamW, or Muon for the hidden
-  matrices with AdamW for the rest (`_muon`); optional weight decay and global
+  matrices with Adam for the rest (`_muon`); optional weight decay and global
   gradient-norm clipping. The updates of `pretrained_modules` (top-level parameter modules
   carried over by init_from) are scaled by cfg.pretrained_rate_scale: a lower rate for a
   pretrained encoder than for its fresh head (ULMFiT's discriminative fine-tuning)."""
