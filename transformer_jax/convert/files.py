@@ -95,9 +95,9 @@ def load_ours(workdir: str | None, checkpoint_path: str | None, purpose: str,
   fields, _ = split_model_fields(task_class(task), record.config["model"])   # no head options
   cfg = TransformerConfig.from_dict(fields)
   params = jax.tree_util.tree_map(np.asarray, params)
-  if cfg.scan_layers:
+  if cfg.scan_layers and with_params:
     params = param_utils.unstack_layers(params)
-  if cfg.fused_qkv:
+  if cfg.fused_qkv and with_params:
     params = param_utils.split_qkv(params)
   return OurModel(path, cfg.replace(scan_layers=False, fused_qkv=False), params, record)
 
