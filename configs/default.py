@@ -70,7 +70,8 @@ def get_config() -> ml_collections.ConfigDict:
       decay_matrices_only=False,   # adamw: weight decay on matrices only (not biases, norms)
       pretrained_rate_scale=1.0,   # init_from another task's encoder: its modules' rate factor
       muon_learning_rate=0.02,     # muon: the hidden matrices' peak rate (Adam's for the rest)
-      muon_momentum=0.9))          # muon: its (Nesterov) momentum (RESULTS: 0.9 beat 0.95)
+      muon_momentum=0.9,           # muon: its (Nesterov) momentum (RESULTS: 0.9 beat 0.95)
+      muon_ns_steps=5))            # muon: Newton-Schulz iterations per update
   # Annealing to 0 matters here: with the paper's rsqrt decay the same model plateaus
   # below 99% exact match in this budget.
 

@@ -166,7 +166,8 @@ class DataOptions(_Options):
 @dataclasses.dataclass(frozen=True)
 class OptimizerOptions(_Options):
   """Adam, AdamW (paper: Adam(0.9, 0.98, 1e-9)) or Muon (the hidden matrices at
-  `muon_learning_rate` with `muon_momentum`, Adam for the rest; training/optimizers.py) on
+  `muon_learning_rate` with `muon_momentum`, orthogonalised in `muon_ns_steps` Newton-Schulz
+  iterations, Adam for the rest; training/optimizers.py) on
   a schedule peaking at `learning_rate`
   (rsqrt with learning_rate <= 0: the paper's peak), gradients clipped to global norm
   `clip_grad_norm` (0: off). `pretrained_rate_scale`: init_from a pretrained encoder, the
@@ -185,6 +186,7 @@ class OptimizerOptions(_Options):
   pretrained_rate_scale: float = 1.0
   muon_learning_rate: float = 0.02     # muon: the hidden matrices' peak rate
   muon_momentum: float = 0.9           # muon: its momentum (Nesterov; 0.9 beat 0.95, 0.85)
+  muon_ns_steps: int = 5               # muon: Newton-Schulz iterations per update (optax's)
 
   def __post_init__(self) -> None:
     check_choice("optimizer.", "name", self.name, OPTIMIZERS)
@@ -192,6 +194,7 @@ class OptimizerOptions(_Options):
             "a number > 0")
     _number("optimizer.", "muon_momentum", self.muon_momentum, lambda v: 0 <= v < 1,
             "in [0, 1)")
+    _integer("optimizer.", "muon_ns_steps", self.muon_ns_steps, 1)
     if not 0 < self.pretrained_rate_scale <= 1:
       raise UserError(f"optimizer.pretrained_rate_scale={self.pretrained_rate_scale}: must "
                       "be in (0, 1] (a fraction of the head's rate)")

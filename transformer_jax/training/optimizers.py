@@ -71,6 +71,7 @@ def _muon(cfg: OptimizerOptions, schedule: optax.Schedule) -> optax.GradientTran
   ratio = cfg.muon_learning_rate / (peak if peak > 0 else float(schedule(cfg.warmup_steps - 1)))
   return optax.contrib.muon(
       lambda count: schedule(count) * ratio, beta=cfg.muon_momentum, eps=cfg.eps,
+      ns_steps=cfg.muon_ns_steps,
       weight_decay=cfg.weight_decay, adam_b1=cfg.b1, adam_b2=cfg.b2,
       adam_learning_rate=schedule, muon_weight_dimension_numbers=muon_dimensions)
 
