@@ -117,7 +117,11 @@ class TorchTransformer(nn.Module):
 
 
 def check_mirrored(s: common.Setup) -> None:
-  """UserError (one line) for a model option the PyTorch side does not mirror."""
+  """UserError (one line) for a model option or optimizer the PyTorch side does not mirror."""
+  if s.config.optimizer.name not in ("adam", "adamw"):
+    raise errors.UserError(f"--compare=torch mirrors Adam and AdamW, not "
+                           f"optimizer.name={s.config.optimizer.name!r}: add "
+                           "--config.optimizer.name=adamw, or drop --compare")
   if s.task == "lm":
     from benchmarks.torch_gpt import check_mirrored
     check_mirrored(s.model)

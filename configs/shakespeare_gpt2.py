@@ -28,9 +28,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.update(dict(tokenizer="byte_bpe", max_length=256, eval_max_length=256))
   # max_len: GPT-2's context (the model is the import's), which the batches must fit.
   config.model.update(dict(max_len=1024, dropout_rate=0.0, attention_dropout_rate=0.0))
-  # nanoGPT's fine-tuning rate, constant.
-  config.optimizer.update(dict(schedule="constant", learning_rate=3e-5, end_learning_rate=3e-5,
-                               warmup_steps=0, weight_decay=0.0))
+  # nanoGPT's fine-tuning optimizer: AdamW at a constant rate.
+  config.optimizer.update(dict(name="adamw", schedule="constant", learning_rate=3e-5,
+                               end_learning_rate=3e-5, warmup_steps=0, weight_decay=0.0))
   config.decode.update(dict(max_new_tokens=100, top_k=200))
   config.eval.update(dict(batch_size=16))
   return config

@@ -306,15 +306,16 @@ def test_torch_gpt_is_the_same_language_model(overrides):
 
 
 def test_compare_torch_refuses_what_the_torch_gpt_does_not_mirror():
-  """Rotary positions and RMSNorm (as gated FFNs and grouped-query attention): one line,
-  before any work."""
+  """Rotary positions and RMSNorm (as gated FFNs and grouped-query attention), and Muon:
+  one line, before any work."""
   pytest.importorskip("torch", reason="PyTorch is an optional benchmark dependency")
-  for flag, field in (("--config.model.positional=rotary", "positional"),
-                      ("--config.model.norm_type=rms", "norm_type")):
+  for flag, field in (("--config.model.positional=rotary", "model.positional"),
+                      ("--config.model.norm_type=rms", "model.norm_type"),
+                      ("--config.optimizer.name=muon", "optimizer.name")):
     out = _run("benchmarks.train_step", *TINY_LM, flag, "--compare=torch", check=False)
     lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert len(lines) == 1 and f"model.{field}=" in lines[0], out.stderr[-3000:]
+    assert len(lines) == 1 and f"{field}=" in lines[0], out.stderr[-3000:]
 
 
 def test_seeds_reads_each_runs_final_metrics_and_summarises_them(tmp_path):

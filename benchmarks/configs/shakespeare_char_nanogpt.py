@@ -28,5 +28,6 @@ def get_config() -> ml_collections.ConfigDict:
       d_model=128, num_heads=4, d_ff=512, num_decoder_layers=4, max_len=64,
       positional="learned", norm_type="layer", gated_ffn=False, activation="gelu",
       weight_init="gpt2", scale_embeddings=False))
-  config.optimizer.update(dict(learning_rate=1e-3, end_learning_rate=1e-4, warmup_steps=100))
+  config.optimizer.update(dict(name="adamw", learning_rate=1e-3, end_learning_rate=1e-4,
+                               warmup_steps=100))
   return config
