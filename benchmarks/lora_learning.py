@@ -78,7 +78,8 @@ def main(argv: list[str]) -> None:
              f"--config.data.dir={os.path.join(FLAGS.data, 'shakespeare')}")
     base = os.path.join(base, "checkpoints", "1000")
   captions = _captions(out)
-  common = [*PROXY[:-1], "--config.optimizer.name=adamw", f"--config.init_from={base}", f"--config.data.dir={captions}",
+  common = [*PROXY[:-1], "--config.optimizer.name=adamw",   # fine-tuning: AdamW, as measured
+            f"--config.init_from={base}", f"--config.data.dir={captions}",
             f"--config.num_train_steps={FLAGS.steps}", f"--config.eval_every_steps={FLAGS.steps}",
             f"--config.checkpoint_every_steps={FLAGS.steps}",
             f"--config.optimizer.warmup_steps={max(1, FLAGS.steps // 10)}",
