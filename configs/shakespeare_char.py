@@ -17,8 +17,9 @@ from configs import default
 def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
   config.task = "lm"
-  # 30 minutes of a 2-core CPU alone: AdamW's 7,000 steps of 16 x 128 characters, or Muon's
-  # 5,500 (its step is 1.29x AdamW's), which score lower (benchmarks/RESULTS.md).
+  # 30 minutes of the 2-core CPU of 2026-11-27, alone: AdamW's 7,000 steps of 16 x 128
+  # characters, or Muon's 5,500 (its step is 1.29x AdamW's), which score lower. The Xeon of
+  # 2026-11-29 ran them about 2.2x slower (benchmarks/RESULTS.md).
   config.num_train_steps = 5500
   config.log_every_steps = 100
   config.eval_every_steps = 1000
